@@ -1,0 +1,379 @@
+"""Metadata-only block manager for the paged KV cache (pure Python, no torch).
+
+The pool hands out fixed-size blocks of KV slots to sequences. It never touches tensors: the runtime
+owns them and applies what the pool tells it (which slots to write, which blocks to copy).
+
+Model of one sequence:
+
+    blocks   [b0, b1, -1, b3, b4]     logical block i holds positions i*block_size .. (i+1)*block_size-1
+                                       (-1 = a hole left by drop_blocks; positions do not move)
+    length   committed tokens (K/V written and confirmed by commit)
+    reserved capacity the runtime may write up to (length <= reserved <= len(blocks)*block_size)
+
+Lifecycle of a step: ``copies = reserve(seq, n)`` -> apply the (src, dst) block copies ->
+write K/V at ``slots(seq, length, n)`` -> ``commit(seq, token_ids)``.
+
+Sharing:
+* ``fork`` shares every block (refcount + 1). A shared block that is about to be written (the
+  partially filled last block) is copied-on-write by the next ``reserve``.
+* Every block that becomes full gets a content hash chained with the previous block's hash and is
+  registered in a prefix cache. ``new_sequence_with_prefix`` reuses those blocks, even after their
+  owner released them, until they are handed out again for other content.
+
+Freed blocks go to the back of the free list and allocation takes from the front, so the blocks
+released longest ago are recycled first (an LRU for the prefix cache). Sequences release their
+blocks last-to-first, so a chain's tail is recycled before its root.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from toolkit.errors import PagedKVError, PoolExhausted, PoolStateError, SpecError
+
+SUPPORTED_BLOCK_SIZES = (16, 32)
+HOLE = -1  # block-table entry for a block dropped by drop_blocks
+_ROOT_HASH = 0  # "previous hash" of a sequence's first block
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _chain_hash(prev_hash: int, tokens: tuple[int, ...]) -> int:
+    # In-process only (Python's hash); lookups also compare the stored content, so a collision can
+    # never hand out a block with the wrong tokens.
+    return hash((prev_hash, tokens))
+
+
+@dataclass
+class _Seq:
+    blocks: list[int] = field(default_factory=list)  # block ids, HOLE for dropped blocks
+    length: int = 0  # committed tokens
+    reserved: int = 0  # tokens the runtime may write up to
+    tokens: list[int] = field(default_factory=list)  # committed token ids
+    hashes: list[int] = field(default_factory=list)  # chained hash of each full block
+
+
+class BlockPool:
+    """Block tables, refcounts, free list, sequence slots and the prefix cache of a KV pool."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_seqs: int):
+        if block_size not in SUPPORTED_BLOCK_SIZES:
+            raise SpecError(f"block size {block_size!r} is invalid: use 16 or 32")
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise SpecError(f"num_blocks {num_blocks!r} is invalid: the pool needs at least 1 block")
+        if not isinstance(max_seqs, int) or max_seqs < 1:
+            raise SpecError(f"max_seqs {max_seqs!r} is invalid: allow at least 1 sequence")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_seqs = max_seqs
+        self._refcount = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # ordered set
+        # prefix cache: chained hash -> block id, plus what each registered block holds
+        self._cache: dict[int, int] = {}
+        self._block_key: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks  # (prev_hash, tokens)
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._seqs: dict[int, _Seq] = {}
+        self._free_slots = list(range(max_seqs - 1, -1, -1))  # stack: pops 0 first
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def live_sequences(self) -> list[int]:
+        return sorted(self._seqs)
+
+    def length(self, seq: int) -> int:
+        return self._get(seq).length
+
+    def block_table(self, seq: int) -> list[int]:
+        return list(self._get(seq).blocks)
+
+    def tokens(self, seq: int) -> list[int]:
+        return list(self._get(seq).tokens)
+
+    def slots(self, seq: int, start: int, n: int) -> list[int]:
+        """Slot ids (block_id * block_size + offset) of positions start .. start+n-1."""
+        s = self._get(seq)
+        if start < 0 or n < 0 or start + n > s.reserved:
+            raise PoolStateError(
+                f"positions {start}..{start + n - 1} of sequence {seq} are outside its reserved capacity "
+                f"of {s.reserved} token(s): call reserve(seq, n) first"
+            )
+        bs = self.block_size
+        out = []
+        for pos in range(start, start + n):
+            block = s.blocks[pos // bs]
+            if block == HOLE:
+                raise PoolStateError(
+                    f"position {pos} of sequence {seq} lies in dropped block {pos // bs}: "
+                    "only positions still in the block table have slots"
+                )
+            if pos >= s.length and self._refcount[block] > 1:
+                raise PoolStateError(
+                    f"position {pos} of sequence {seq} is in block {block}, which is shared with another "
+                    "sequence (forked after reserve): call reserve(seq, n) again so it is copied first"
+                )
+            out.append(block * bs + pos % bs)
+        return out
+
+    # ------------------------------------------------------------------ sequences
+
+    def new_sequence(self) -> int:
+        """Take a free sequence slot; the sequence starts empty."""
+        if not self._free_slots:
+            raise PoolStateError(
+                f"all {self.max_seqs} sequence slots in use; clear a conversation or raise max_seqs"
+            )
+        seq = self._free_slots.pop()
+        self._seqs[seq] = _Seq()
+        return seq
+
+    def new_sequence_with_prefix(self, token_ids: list[int]) -> tuple[int, int]:
+        """New sequence sharing the cached full blocks that start token_ids.
+
+        Returns (seq, n_cached_tokens). n_cached_tokens is a multiple of block_size and always less
+        than len(token_ids), so the runtime prefills at least one token and gets logits.
+        """
+        token_ids = list(token_ids)
+        seq = self.new_sequence()
+        s = self._seqs[seq]
+        bs = self.block_size
+        prev = _ROOT_HASH
+        for i in range(max(0, (len(token_ids) - 1) // bs)):
+            key = (prev, tuple(token_ids[i * bs:(i + 1) * bs]))
+            h = _chain_hash(*key)
+            block = self._cache.get(h)
+            if block is None or self._block_key[block] != key:
+                break
+            if self._refcount[block] == 0:
+                del self._free[block]  # revive a released block that still holds this content
+            self._refcount[block] += 1
+            s.blocks.append(block)
+            s.hashes.append(h)
+            prev = h
+        s.length = s.reserved = len(s.blocks) * bs
+        s.tokens = token_ids[:s.length]
+        return seq, s.length
+
+    def fork(self, seq: int) -> int:
+        """New sequence sharing all blocks of seq (same length and tokens). Returns its slot.
+
+        Only blocks that hold committed tokens are shared; seq keeps any reserved-but-unwritten
+        blocks for itself. The runtime copies seq's per-sequence staging row.
+        """
+        src = self._get(seq)
+        new = self.new_sequence()
+        shared = src.blocks[:_cdiv(src.length, self.block_size)]
+        for block in shared:
+            if block != HOLE:
+                self._refcount[block] += 1
+        self._seqs[new] = _Seq(
+            blocks=list(shared), length=src.length, reserved=src.length,
+            tokens=list(src.tokens), hashes=list(src.hashes),
+        )
+        return new
+
+    def release(self, seq: int) -> None:
+        """Drop seq's block references (blocks reaching 0 are freed, hashes kept) and free its slot."""
+        s = self._get(seq, action="release")
+        for block in reversed(s.blocks):  # tail first: prefix roots stay cached longest
+            if block != HOLE:
+                self._decref(block)
+        del self._seqs[seq]
+        self._free_slots.append(seq)
+
+    def clear(self) -> None:
+        """Release every live sequence (the prefix cache survives until blocks are reused)."""
+        for seq in self.live_sequences():
+            self.release(seq)
+
+    # ------------------------------------------------------------------ growth
+
+    def reserve(self, seq: int, n_new_tokens: int) -> list[tuple[int, int]]:
+        """Make room for length + n_new_tokens tokens. Atomic: on PoolExhausted nothing changed.
+
+        Returns (src_block, dst_block) copies the runtime must apply before writing: a shared block
+        about to be written (after fork) is copied-on-write into a fresh block.
+        """
+        s = self._get(seq)
+        if not isinstance(n_new_tokens, int) or n_new_tokens < 0:
+            raise PagedKVError(f"n_new_tokens {n_new_tokens!r} is invalid: pass a count >= 0")
+        bs = self.block_size
+        target = s.length + n_new_tokens
+        if n_new_tokens == 0:
+            return []
+        # blocks that the coming writes touch and that already exist but are shared
+        first_write = s.length // bs
+        cow = [i for i in range(first_write, min(len(s.blocks), _cdiv(target, bs)))
+               if self._refcount[s.blocks[i]] > 1]
+        grow = max(0, _cdiv(target, bs) - len(s.blocks))
+        needed = len(cow) + grow
+        if needed > len(self._free):
+            raise PoolExhausted(needed, len(self._free),
+                                what=f"sequence {seq} growing from {s.length} to {target} tokens")
+        copies = []
+        for i in cow:
+            src = s.blocks[i]
+            dst = self._allocate()
+            pass  # stays >= 1: it was shared
+            s.blocks[i] = dst
+            copies.append((src, dst))
+        for _ in range(grow):
+            s.blocks.append(self._allocate())
+        s.reserved = max(s.reserved, target)
+        return copies
+
+    def commit(self, seq: int, token_ids: list[int]) -> None:
+        """Advance seq by the tokens the runtime wrote; register every block that became full."""
+        s = self._get(seq)
+        token_ids = list(token_ids)
+        new_length = s.length + len(token_ids)
+        if new_length > s.reserved:
+            raise PoolStateError(
+                f"commit of {len(token_ids)} token(s) to sequence {seq} exceeds its reservation: length "
+                f"{s.length}, reserved {s.reserved}. Call reserve(seq, {len(token_ids)}) before writing"
+            )
+        bs = self.block_size
+        if not token_ids:
+            return
+        for i in range(s.length // bs, _cdiv(new_length, bs)):  # blocks the runtime wrote into
+            if self._refcount[s.blocks[i]] > 1:
+                raise PoolStateError(
+                    f"commit to sequence {seq} writes into block {s.blocks[i]}, which is shared with "
+                    "another sequence (forked after reserve): call reserve(seq, n) again before writing"
+                )
+        s.tokens.extend(token_ids)
+        for i in range(s.length // bs, new_length // bs):  # blocks that are now full
+            prev = s.hashes[i - 1] if i > 0 else _ROOT_HASH
+            key = (prev, tuple(s.tokens[i * bs:(i + 1) * bs]))
+            h = _chain_hash(*key)
+            block = s.blocks[i]
+            self._block_key[block] = key
+            self._block_hash[block] = h
+            self._cache[h] = block
+            s.hashes.append(h)
+        s.length = new_length
+
+    def drop_blocks(self, seq: int, logical_indices: list[int]) -> None:
+        """Punch holes at these logical block positions (for the sliding policy); positions stay put.
+
+        Only full, committed, not-yet-dropped blocks can be dropped; the block being written never.
+        Atomic: on error nothing changed.
+        """
+        s = self._get(seq)
+        n_full = s.length // self.block_size
+        indices = list(logical_indices)
+        if len(set(indices)) != len(indices):
+            raise PoolStateError(f"drop_blocks got duplicate indices {indices}: list each block once")
+        for i in indices:
+            if not isinstance(i, int) or not 0 <= i < n_full:
+                raise PoolStateError(
+                    f"cannot drop logical block {i!r} of sequence {seq}: only full committed blocks "
+                    f"0..{n_full - 1} can be dropped (the partial last block is still being written)"
+                )
+            if s.blocks[i] == HOLE:
+                raise PoolStateError(f"logical block {i} of sequence {seq} was already dropped")
+        for i in indices:
+            block, s.blocks[i] = s.blocks[i], HOLE
+            self._decref(block)
+
+    # ------------------------------------------------------------------ accounting
+
+    def stats(self) -> dict:
+        bs = self.block_size
+        filled: dict[int, int] = {}  # used block -> tokens it holds (a shared block counted once)
+        for s in self._seqs.values():
+            for i, block in enumerate(s.blocks):
+                if block != HOLE:
+                    n = min(bs, max(0, s.length - i * bs))
+                    filled[block] = max(filled.get(block, 0), n)
+        used = self.num_used_blocks
+        capacity = used * bs
+        stored = sum(filled.values())
+        return {
+            "total_blocks": self.num_blocks,
+            "used_blocks": used,
+            "free_blocks": self.num_free_blocks,
+            "utilization": stored / capacity if capacity else 0.0,
+            "internal_fragmentation": (capacity - stored) / capacity if capacity else 0.0,
+            "sequences": len(self._seqs),
+            "shared_blocks": sum(1 for r in self._refcount if r > 1),
+        }
+
+    def check_invariants(self) -> None:
+        """Raise PoolStateError naming the first broken invariant; return None if all hold."""
+        def fail(msg: str) -> None:
+            raise PoolStateError(f"block pool invariant broken: {msg}")
+
+        refs = [0] * self.num_blocks
+        bs = self.block_size
+        for seq, s in self._seqs.items():
+            if not 0 <= s.length <= s.reserved:
+                fail(f"sequence {seq} has length {s.length} and reserved {s.reserved}")
+            if len(s.blocks) != _cdiv(s.reserved, bs):
+                fail(f"sequence {seq} reserves {s.reserved} tokens but has {len(s.blocks)} blocks")
+            if len(s.tokens) != s.length or len(s.hashes) != s.length // bs:
+                fail(f"sequence {seq}: {len(s.tokens)} tokens / {len(s.hashes)} hashes for length {s.length}")
+            for i, block in enumerate(s.blocks):
+                if block == HOLE:
+                    if i >= s.length // bs:
+                        fail(f"sequence {seq} has a hole at logical block {i}, which is not full")
+                elif not 0 <= block < self.num_blocks:
+                    fail(f"sequence {seq} references block {block} outside 0..{self.num_blocks - 1}")
+                else:
+                    refs[block] += 1
+        for block in range(self.num_blocks):
+            if refs[block] != self._refcount[block]:
+                fail(f"block {block} has refcount {self._refcount[block]} but {refs[block]} table references")
+            if (self._refcount[block] == 0) != (block in self._free):
+                fail(f"block {block} has refcount {self._refcount[block]}, free-list membership "
+                     f"{block in self._free}")
+        if any(not 0 <= b < self.num_blocks for b in self._free):
+            fail("free list holds an id outside the pool")
+        used = sum(1 for r in self._refcount if r > 0)
+        if used + len(self._free) != self.num_blocks:
+            fail(f"{used} used + {len(self._free)} free != {self.num_blocks} total blocks")
+        for h, block in self._cache.items():
+            if self._block_hash[block] != h:
+                fail(f"prefix cache maps hash {h} to block {block}, which holds other content")
+        slots = set(self._free_slots)
+        if len(slots) != len(self._free_slots) or slots & set(self._seqs) \
+                or slots | set(self._seqs) != set(range(self.max_seqs)):
+            fail(f"sequence slots inconsistent: free {sorted(slots)}, live {sorted(self._seqs)}")
+
+    # ------------------------------------------------------------------ internals
+
+    def _get(self, seq: int, action: str = "use") -> _Seq:
+        s = self._seqs.get(seq)
+        if s is not None:
+            return s
+        if isinstance(seq, int) and 0 <= seq < self.max_seqs:
+            hint = "double free: it was already released" if action == "release" else \
+                "it was released or never created"
+            raise PoolStateError(f"cannot {action} sequence {seq}: {hint}. Create one with new_sequence()")
+        raise PoolStateError(f"unknown sequence {seq!r}: valid ids are 0..{self.max_seqs - 1}")
+
+    def _allocate(self) -> int:
+        block, _ = self._free.popitem(last=False)  # released longest ago
+        h = self._block_hash[block]
+        if h is not None:  # reused for other content: forget what it held
+            if self._cache.get(h) == block:
+                del self._cache[h]
+            self._block_hash[block] = None
+            self._block_key[block] = None
+        self._refcount[block] = 1
+        return block
+
+    def _decref(self, block: int) -> None:
+        self._refcount[block] -= 1
+        if self._refcount[block] == 0:
+            self._free[block] = None

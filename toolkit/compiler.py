@@ -1,0 +1,221 @@
+"""The compiler step: rewrite a HuggingFace causal LM so every attention layer calls the paged op.
+
+    paged = compile(hf_model, spec="default", block_size=16, num_blocks=256, max_seqs=4)
+    logits = paged(input_ids[None], positions, seq_ids, block_tables)
+
+The rewrite goes through transformers' AttentionInterface: an attention function named "pagedkv"
+is registered once and selected with `set_attn_implementation("pagedkv")`. The model is then
+called with `use_cache=False` and explicit position ids; HF's RoPE / projections / MLPs stay as they
+are, and only the attention core (cache write + attention) is replaced by the op. The pool tensors
+are buffers of the returned `PagedModel` (mutable buffers when exported to ExecuTorch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+
+import toolkit.paged_attention  # noqa: F401  (registers torch.ops.pagedkv)
+from toolkit.errors import UnsupportedModelError
+from toolkit.pool_layout import PoolLayout
+from toolkit.quant import KVQuantSpec, resolve_spec
+
+ATTN_NAME = "pagedkv"
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "gpt2", "smollm3")
+
+
+# ----------------------------------------------------------------------------------------------
+# Preflight: reject what the op cannot express, before touching the model
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def preflight(config) -> None:
+    """Raise UnsupportedModelError naming the feature if the paged op cannot run this model exactly."""
+    cfg = _text_config(config)
+    mt = getattr(cfg, "model_type", "?")
+    checks = [
+        (getattr(cfg, "attention_chunk_size", None), "chunked attention (attention_chunk_size) lives only in the mask"),
+        (getattr(cfg, "alibi", False) or mt in ("bloom", "mpt"), "ALiBi position biases live only in the mask"),
+        (getattr(cfg, "kv_lora_rank", None), "multi-head latent attention (MLA, kv_lora_rank) has different K/V head dims"),
+        (getattr(cfg, "num_kv_shared_layers", 0), "KV-sharing layers (num_kv_shared_layers) read another layer's cache"),
+        (getattr(cfg, "use_bidirectional_attention", False), "bidirectional attention is not causal"),
+        (getattr(cfg, "is_encoder_decoder", False), "encoder-decoder models need cross-attention"),
+        (getattr(cfg, "add_cross_attention", False), "cross-attention reads encoder states, not a KV cache"),
+    ]
+    for present, why in checks:
+        if present:
+            raise UnsupportedModelError(
+                f"model type '{mt}' is not supported: {why}. pagedkv only rewrites plain causal self-attention."
+            )
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model type '{mt}' is not supported: its attention has not been validated against the paged op. "
+            f"Supported: {', '.join(SUPPORTED_MODEL_TYPES)}."
+        )
+    if getattr(cfg, "_attn_implementation", None) is None and not hasattr(cfg, "num_attention_heads"):
+        raise UnsupportedModelError(f"model type '{mt}' has no num_attention_heads in its config.")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+
+def model_dims(config) -> ModelDims:
+    cfg = _text_config(config)
+    heads = cfg.num_attention_heads
+    hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    return ModelDims(
+        num_layers=cfg.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        vocab_size=cfg.vocab_size,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The attention function HF calls in every layer
+
+
+@dataclass
+class PagedContext:
+    """What one forward pass hands every layer: pool tensors and the batch's paging metadata."""
+
+    layout: PoolLayout
+    pools: list  # per layer: (codes, scales, stage)
+    positions: torch.Tensor  # [T] int64
+    seq_ids: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [S, M] int64
+    functional: bool = False
+    new_pools: dict = field(default_factory=dict)  # layer -> (codes, scales, stage), functional only
+
+
+def op_scalar_args(spec: KVQuantSpec, head_dim: int, layer: int, scale: float, window: int, softcap: float):
+    kg, vg = spec.groups(head_dim)
+    return (
+        layer, spec.k_bits, spec.v_bits, kg, vg, spec.k_sym, spec.v_sym, spec.rotate,
+        spec.fp_tail, spec.sink_blocks, float(scale), int(window), float(softcap),
+    )
+
+
+def paged_attention_forward(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+    softcap=None, s_aux=None, **kwargs,
+):
+    ctx: PagedContext | None = kwargs.get("pagedkv")
+    if ctx is None:
+        raise UnsupportedModelError(
+            "the model was compiled for pagedkv but called without paging metadata: call the PagedModel, "
+            "not the inner HF model."
+        )
+    layer = module.layer_idx
+    d = query.shape[-1]
+    scale = scaling if scaling is not None else d**-0.5
+    sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
+    if sinks is None:
+        sinks = torch.full((query.shape[1],), float("-inf"))
+    scalars = op_scalar_args(ctx.layout.spec, d, layer, scale, sliding_window or 0, softcap or 0.0)
+    codes, scales, stage = ctx.pools[layer]
+    args = (query, key, value, codes, scales, stage, ctx.positions, ctx.seq_ids, ctx.block_tables, sinks.float())
+    if ctx.functional:
+        out, codes, scales, stage = torch.ops.pagedkv.quantized_paged_attention_functional(*args, *scalars)
+        ctx.new_pools[layer] = (codes, scales, stage)
+    else:
+        out = torch.ops.pagedkv.quantized_paged_attention(*args, *scalars)
+    return out.to(query.dtype), None
+
+
+AttentionInterface.register(ATTN_NAME, paged_attention_forward)
+
+
+# ----------------------------------------------------------------------------------------------
+# The compiled model
+
+
+class PagedModel(nn.Module):
+    """A HF causal LM whose attention runs on a paged, quantized KV pool held as buffers.
+
+    forward(input_ids [1, T], positions [T], seq_ids [T], block_tables [S, M]) -> logits [1, T, V].
+    """
+
+    def __init__(self, hf_model: nn.Module, layout: PoolLayout):
+        super().__init__()
+        self.hf = hf_model
+        self.layout = layout
+        self.dims = model_dims(hf_model.config)
+        for i in range(layout.num_layers):
+            codes, scales, stage = layout.allocate_layer()
+            self.register_buffer(f"codes_{i}", codes, persistent=False)
+            self.register_buffer(f"scales_{i}", scales, persistent=False)
+            self.register_buffer(f"stage_{i}", stage, persistent=False)
+
+    def pool_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        return [
+            (getattr(self, f"codes_{i}"), getattr(self, f"scales_{i}"), getattr(self, f"stage_{i}"))
+            for i in range(self.layout.num_layers)
+        ]
+
+    def reset_pool(self) -> None:
+        for tensors in self.pool_tensors():
+            for t in tensors:
+                t.zero_()
+
+    def run(self, input_ids, positions, seq_ids, block_tables, pools, functional: bool):
+        ctx = PagedContext(self.layout, pools, positions, seq_ids, block_tables, functional)
+        out = self.hf(
+            input_ids=input_ids, position_ids=positions[None], use_cache=False, pagedkv=ctx, return_dict=True
+        )
+        return out.logits, ctx
+
+    def forward(self, input_ids, positions, seq_ids, block_tables):
+        logits, _ = self.run(input_ids, positions, seq_ids, block_tables, self.pool_tensors(), functional=False)
+        return logits
+
+
+class FunctionalPagedModel(nn.Module):
+    """Pools as explicit inputs and outputs (for ONNX): forward(ids, pos, seq, tables, *pools) -> (logits, *pools)."""
+
+    def __init__(self, paged: PagedModel):
+        super().__init__()
+        self.paged = paged
+
+    def forward(self, input_ids, positions, seq_ids, block_tables, *pools):
+        n = self.paged.layout.num_layers
+        grouped = [tuple(pools[3 * i : 3 * i + 3]) for i in range(n)]
+        logits, ctx = self.paged.run(input_ids, positions, seq_ids, block_tables, grouped, functional=True)
+        flat = [t for i in range(n) for t in ctx.new_pools[i]]
+        return (logits, *flat)
+
+
+def compile(
+    model: nn.Module,
+    spec: str | KVQuantSpec = "default",
+    *,
+    block_size: int = 16,
+    num_blocks: int = 256,
+    max_seqs: int = 4,
+) -> PagedModel:
+    """Rewrite `model`'s attention to the paged op (in place on the HF model) and wrap it with a pool."""
+    preflight(model.config)
+    spec = resolve_spec(spec)
+    dims = model_dims(model.config)
+    if dims.num_heads % dims.num_kv_heads:
+        raise UnsupportedModelError(
+            f"{dims.num_heads} query heads are not a multiple of {dims.num_kv_heads} KV heads."
+        )
+    layout = PoolLayout(spec, dims.num_layers, dims.num_kv_heads, dims.head_dim, block_size, num_blocks, max_seqs)
+    model.set_attn_implementation(ATTN_NAME)
+    model.eval()
+    return PagedModel(model, layout)

@@ -1,0 +1,98 @@
+// pagedkv kernel core: quantized paged attention on plain data (no torch / ORT / ExecuTorch headers).
+//
+// Semantics: toolkit/paged_attention.py::reference_paged_attention is the ground truth. One call
+// takes T new tokens (any mix of prefill chunks and decode steps of several sequences), writes their
+// K/V records into the pool and attends over each token's sequence.
+//
+// Layouts (all contiguous, row-major):
+//   q      float32 [Hq, T, D]        (the op's [1, Hq, T, D])
+//   k, v   float32 [Hkv, T, D]
+//   codes  uint8 [NB, Hkv, bs, W]    (float pools: float16 bits (uint16) or float32, W = 2*D)
+//   scales uint16 (float16 bits) [NB, Hkv, bs, Ws]
+//   stage  uint16 (float16 bits) [S, 2 (sink|tail), 2 (K|V), Hkv, bs, D]
+//   positions, seq_ids int64 [T]; block_tables int64 [S_rows, M]; sinks float32 [Hq]
+//   out    float32 [T, Hq, D]
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace pagedkv {
+
+struct PagedAttnParams {
+  int T = 0, Hq = 0, Hkv = 0, D = 0;
+  int block_size = 0, num_blocks = 0;
+  int stage_rows = 0;          // S: rows of the stage tensor
+  int table_rows = 0;          // S_rows: rows of block_tables
+  int max_blocks_per_seq = 0;  // M
+  int k_bits = 8, v_bits = 4, k_group = 64, v_group = 32;  // group 0 = head_dim
+  bool k_sym = true, v_sym = false, rotate = true, fp_tail = true;
+  int sink_blocks = 1;
+  float scale = 1.0f;
+  int window = 0;       // > 0: keys j > p - window
+  float softcap = 0.f;  // > 0: s = tanh(s / softcap) * softcap
+  bool float_pool = false;
+  int float_bits = 32;  // 16 or 32 when float_pool
+  int layer = 0;        // only used in error messages
+  // Expected tensor element counts / widths the host saw (checked against the params).
+  int code_width = 0;   // W
+  int scale_width = 0;  // Ws (ignored for float pools)
+};
+
+struct PagedAttnBuffers {
+  const float* q = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  void* codes = nullptr;
+  uint16_t* scales = nullptr;
+  uint16_t* stage = nullptr;
+  const int64_t* positions = nullptr;
+  const int64_t* seq_ids = nullptr;
+  const int64_t* block_tables = nullptr;
+  const float* sinks = nullptr;
+  float* out = nullptr;
+};
+
+enum Status : int {
+  kOk = 0,
+  kErrShape = 1,      // shapes / params inconsistent
+  kErrNonFinite = 2,  // NaN/Inf in K or V: nothing written
+  kErrSlot = 3,       // a write slot without a block, or a block id out of range
+  kErrInternal = 4,
+};
+
+// Runs the op. Returns a Status; on error writes a message into err (if err_len > 0) and, for the
+// checked errors (shape, non-finite, slot), leaves the pools untouched.
+int paged_attention(const PagedAttnParams& p, const PagedAttnBuffers& b, char* err, size_t err_len);
+
+// Record widths for a quantized spec (codes bytes, fp16 scale count) or float pool (elements, 0).
+void record_widths(const PagedAttnParams& p, int* code_width, int* scale_width);
+
+// ---- code paths and threads ------------------------------------------------------------------
+enum class Isa : int { kAuto = 0, kScalar = 1, kAvx2 = 2, kNeon = 3, kNeonDot = 4 };
+// Selects the attention code path (kAuto: best available). Returns false if not available here.
+bool set_isa(Isa isa);
+Isa active_isa();
+bool isa_available(Isa isa);
+const char* isa_name(Isa isa);
+// 0 = default (env PAGEDKV_NUM_THREADS, else hardware concurrency).
+void set_num_threads(int n);
+int num_threads();
+
+// ---- quantization building blocks (bit exact with toolkit/quant.py), exposed for tests ---------
+uint16_t fp32_to_fp16(float x);  // round to nearest even
+float fp16_to_fp32(uint16_t h);
+// In place orthonormal Hadamard along d (power of two): FWHT butterflies then * float(1/sqrt(d)).
+void hadamard(float* x, int d);
+// x[D] -> packed codes (D*bits/8 bytes) and fp16 meta (G scales, then G zeros if !sym).
+void quantize_record(const float* x, int d, int bits, int group, bool sym, uint8_t* codes, uint16_t* meta);
+void dequantize_record(const uint8_t* codes, const uint16_t* meta, int d, int bits, int group, bool sym, float* out);
+
+}  // namespace pagedkv
+
+// Plain C entry points (for ctypes / other hosts).
+extern "C" {
+int pagedkv_set_isa(int isa);  // returns 1 on success
+int pagedkv_active_isa(void);
+void pagedkv_set_num_threads(int n);
+}

@@ -1,0 +1,45 @@
+// Internal: what the per-ISA attention translation units share with pagedkv_core.cpp.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "pagedkv_core.h"
+
+namespace pagedkv {
+
+struct AttnContext {
+  const PagedAttnParams* p;
+  const PagedAttnBuffers* b;
+  const float* qrot;       // [T, Hq, D] (Hadamard-rotated when rotate)
+  const uint16_t* k16;     // [T, Hkv, D] fp16 of this call's rotated K (when use_tail), else null
+  const uint16_t* v16;
+  const int32_t* n_prev;   // [T] tokens of the same sequence earlier in this call
+  int G;                   // query heads per KV head
+  int k_group, v_group;    // resolved group sizes
+  int kcb, ksc;            // K code bytes, K scale count (V follows in the record)
+  bool quantized, use_sink, use_tail, rotate;
+};
+
+// Floats of per-thread scratch one attend call needs.
+inline size_t attn_scratch_floats(const AttnContext& c) {
+  const size_t D = (size_t)c.p->D, bs = (size_t)c.p->block_size, G = (size_t)c.G;
+  return 2 * D + 2 * D /*unpacked codes*/ + G * bs + G * D + 2 * G + 64;
+}
+
+// Attention for token t and KV head h: all G query heads of that KV head, written to out.
+using AttendFn = void (*)(const AttnContext& c, int t, int h, float* scratch);
+
+void attend_scalar(const AttnContext& c, int t, int h, float* scratch);
+#if defined(PAGEDKV_HAVE_AVX2)
+void attend_avx2(const AttnContext& c, int t, int h, float* scratch);
+#endif
+#if defined(PAGEDKV_HAVE_NEON)
+void attend_neon(const AttnContext& c, int t, int h, float* scratch);
+void attend_neon_dot(const AttnContext& c, int t, int h, float* scratch);
+#endif
+
+// Generic bit unpacking (any 2..8 bits): codes -> n unsigned values as bytes.
+void unpack_codes(const uint8_t* codes, int bits, int n, uint8_t* out);
+
+}  // namespace pagedkv

@@ -1,0 +1,244 @@
+"""The `pagedkv::quantized_paged_attention` op: its schema, the plain-PyTorch reference, fake impls.
+
+One call handles a flat batch of T new tokens from any number of sequences (prefill chunks and
+decode steps mixed). Token t belongs to sequence slot seq_ids[t] at position positions[t]; tokens of
+one sequence are contiguous in the call with increasing positions. The op
+
+1. rotates (optional Hadamard) and quantizes each new token's K/V and writes the record into its
+   slot block_tables[s, p // bs] * bs + p % bs of the pool (so a block is always quantized, even
+   while it is the float tail);
+2. copies new tokens of the first block into the sequence's float16 sink stage (spec.sink_blocks);
+3. lets each query at position p attend to the keys j <= p of its sequence (and j > p - window),
+   reading: the sink block from the sink stage, the query's own block in float16 (from this call's
+   inputs, else from the tail stage written by earlier calls) when fp_tail, every other block from
+   the quantized pool, dequantized on the fly;
+4. stores the float16 copies of each sequence's last block in this call into its tail stage.
+
+Two forms: `quantized_paged_attention` mutates the pool tensors in place (ExecuTorch: pools are
+mutable buffers) and has an `.out` overload; `quantized_paged_attention_functional` returns the
+updated pools (torch.onnx cannot export mutation).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit.errors import NonFiniteKVError
+from toolkit.quant import dequantize, hadamard, quantize
+
+_ARGS = (
+    "Tensor q, Tensor k, Tensor v, Tensor{a} codes, Tensor{b} scales, Tensor{c} stage, "
+    "Tensor positions, Tensor seq_ids, Tensor block_tables, Tensor sinks, int layer, "
+    "int k_bits, int v_bits, int k_group, int v_group, bool k_sym, bool v_sym, bool rotate, "
+    "bool fp_tail, int sink_blocks, float scale, int window, float softcap"
+)
+INPLACE_ARGS = _ARGS.format(a="(a!)", b="(b!)", c="(c!)")
+FUNCTIONAL_ARGS = _ARGS.format(a="", b="", c="")
+SCALAR_ARG_NAMES = (
+    "layer", "k_bits", "v_bits", "k_group", "v_group", "k_sym", "v_sym", "rotate",
+    "fp_tail", "sink_blocks", "scale", "window", "softcap",
+)
+
+_lib = torch.library.Library("pagedkv", "DEF")
+_lib.define(f"quantized_paged_attention({INPLACE_ARGS}) -> Tensor")
+_lib.define(f"quantized_paged_attention.out({INPLACE_ARGS}, *, Tensor(d!) out) -> Tensor(d!)")
+_lib.define(f"quantized_paged_attention_functional({FUNCTIONAL_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+def _check_finite(x: torch.Tensor, name: str, layer: int, positions: torch.Tensor, seq_ids: torch.Tensor):
+    bad = ~torch.isfinite(x).all(dim=-1).all(dim=0)  # [T] (x is [Hkv, T, D])
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0, 0])
+        raise NonFiniteKVError(
+            f"non-finite {name} (NaN or Inf) at layer {layer}, sequence {int(seq_ids[t])}, position "
+            f"{int(positions[t])}: the model produced it before the cache; nothing was written to the pool. "
+            "Check the weights/dtype (fp16 overflow?) or the input ids."
+        )
+
+
+def _one_hot_rows(seq_ids, offsets, select, num_rows: int, block_size: int) -> torch.Tensor:
+    """[rows, block_size, T] float one-hot: token t lands in (seq_ids[t], offsets[t]) when select[t]."""
+    rows = torch.arange(num_rows, device=seq_ids.device)
+    offs = torch.arange(block_size, device=seq_ids.device)
+    match = (seq_ids[None, None, :] == rows[:, None, None]) & (offsets[None, None, :] == offs[None, :, None])
+    return (match & select[None, None, :]).float()
+
+
+def _update_stage(old: torch.Tensor, one_hot: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
+    """old [S, Hkv, bs, D] fp16; one_hot [S, bs, T]; new_rows [T, Hkv, D] -> updated fp16 copy."""
+    scattered = torch.einsum("sot,thd->shod", one_hot, new_rows.float())
+    hit = one_hot.sum(-1) > 0  # [S, bs]
+    return torch.where(hit[:, None, :, None], scattered, old.float()).to(old.dtype)
+
+
+def reference_paged_attention(
+    q, k, v, codes, scales, stage, positions, seq_ids, block_tables, sinks, layer,
+    k_bits, v_bits, k_group, v_group, k_sym, v_sym, rotate, fp_tail, sink_blocks, scale, window, softcap,
+):
+    """Plain-PyTorch semantics of the op. Returns (out [1,T,Hq,D] fp32, codes, scales, stage), new tensors.
+
+    It dequantizes a gathered copy of each query's blocks: clear, not fast; the native kernels
+    fuse the dequantization into the dot products instead.
+    """
+    _, hq, t, d = q.shape
+    hkv = k.shape[1]
+    grp = hq // hkv
+    bs = codes.shape[2]
+    m = block_tables.shape[1]
+    quantized = codes.dtype == torch.uint8
+    positions = positions.to(torch.int64)
+    seq_ids = seq_ids.to(torch.int64)
+    block_tables = block_tables.to(torch.int64)
+
+    if not isinstance(k, torch._subclasses.FakeTensor):
+        _check_finite(k[0], "K", layer, positions, seq_ids)
+        _check_finite(v[0], "V", layer, positions, seq_ids)
+
+    qt = q[0].transpose(0, 1).float()  # [T, Hq, D]
+    kt = k[0].transpose(0, 1).float()  # [T, Hkv, D]
+    vt = v[0].transpose(0, 1).float()
+    if quantized and rotate:
+        qt, kt, vt = hadamard(qt), hadamard(kt), hadamard(vt)
+
+    # 1. write the new tokens' records
+    blocks = block_tables[seq_ids, positions // bs]
+    offsets = positions % bs
+    codes = codes.clone()
+    if quantized:
+        kc, km = quantize(kt, k_bits, k_group, k_sym)
+        vc, vm = quantize(vt, v_bits, v_group, v_sym)
+        codes[blocks, :, offsets] = torch.cat((kc, vc), dim=-1)
+        scales = scales.clone()
+        scales[blocks, :, offsets] = torch.cat((km, vm), dim=-1)
+    else:
+        codes[blocks, :, offsets] = torch.cat((kt, vt), dim=-1).to(codes.dtype)
+
+    # 2. gather + dequantize every block of each query's sequence
+    rows = block_tables[seq_ids]  # [T, M]
+    row_ok = (rows >= 0).repeat_interleave(bs, dim=1)  # [T, L]
+    idx = rows.clamp(min=0)
+    gathered = codes[idx].permute(0, 2, 1, 3, 4).reshape(t, hkv, m * bs, -1)
+    if quantized:
+        gscales = scales[idx].permute(0, 2, 1, 3, 4).reshape(t, hkv, m * bs, -1)
+        kcb = d * k_bits // 8
+        ksc = (d // k_group) * (1 if k_sym else 2)
+        k_all = dequantize(gathered[..., :kcb], gscales[..., :ksc], k_bits, k_group, k_sym, d)
+        v_all = dequantize(gathered[..., kcb:], gscales[..., ksc:], v_bits, v_group, v_sym, d)
+    else:
+        k_all, v_all = gathered[..., :d].float(), gathered[..., d:].float()
+
+    p = positions[:, None]
+    j = torch.arange(m * bs)[None, :]
+    visible = (j <= p) & row_ok
+    if window > 0:
+        visible = visible & (j > p - window)
+    use_sink = quantized and sink_blocks > 0
+    use_tail = quantized and fp_tail
+    quant_mask = visible
+    if use_sink:
+        quant_mask = quant_mask & (j >= bs)
+    if use_tail:
+        quant_mask = quant_mask & (j // bs != p // bs)
+
+    keys, vals, masks = [k_all], [v_all], [quant_mask]
+    new_stage = stage
+    if use_sink or use_tail:
+        new_stage = stage.clone()
+        k16, v16 = kt.half(), vt.half()
+        o = torch.arange(bs)[None, :]
+        n_rows = stage.shape[0]
+    if use_sink:
+        hot = _one_hot_rows(seq_ids, positions, positions < bs, n_rows, bs)
+        new_stage[:, 0, 0] = _update_stage(stage[:, 0, 0], hot, k16)
+        new_stage[:, 0, 1] = _update_stage(stage[:, 0, 1], hot, v16)
+        keys.append(new_stage[seq_ids, 0, 0].float())  # [T, Hkv, bs, D]
+        vals.append(new_stage[seq_ids, 0, 1].float())
+        sink_mask = (o <= p) & (rows[:, :1] >= 0)
+        if window > 0:
+            sink_mask = sink_mask & (o > p - window)
+        masks.append(sink_mask)
+    if use_tail:
+        same_seq = seq_ids[:, None] == seq_ids[None, :]
+        earlier = torch.ones(t, t, dtype=torch.bool).tril(-1)
+        n_prev = (same_seq & earlier).sum(1, keepdim=True)  # tokens of my sequence before me in this call
+        jt = (p // bs) * bs + o  # [T, bs] positions of my block
+        dist = p - jt
+        in_call = (dist >= 0) & (dist <= n_prev)
+        src = (torch.arange(t)[:, None] - dist).clamp(0, t - 1)
+        from_call_k = k16[src].permute(0, 2, 1, 3)  # [T, Hkv, bs, D]
+        from_call_v = v16[src].permute(0, 2, 1, 3)
+        sel = in_call[:, None, :, None]
+        keys.append(torch.where(sel, from_call_k, stage[seq_ids, 1, 0]).float())
+        vals.append(torch.where(sel, from_call_v, stage[seq_ids, 1, 1]).float())
+        tail_mask = dist >= 0
+        if window > 0:
+            tail_mask = tail_mask & (dist < window)
+        if use_sink:
+            tail_mask = tail_mask & (p // bs >= sink_blocks)
+        masks.append(tail_mask)
+        last_pos = torch.where(same_seq, positions[None, :], -1).amax(1)
+        hot = _one_hot_rows(seq_ids, offsets, positions // bs == last_pos // bs, n_rows, bs)
+        new_stage[:, 1, 0] = _update_stage(stage[:, 1, 0], hot, k16)
+        new_stage[:, 1, 1] = _update_stage(stage[:, 1, 1], hot, v16)
+
+    # 3. attention over [quantized keys | sink keys | tail keys] with one softmax
+    k_cat = torch.cat(keys, dim=2)  # [T, Hkv, L', D]
+    v_cat = torch.cat(vals, dim=2)
+    mask = torch.cat(masks, dim=1)  # [T, L']
+    qg = qt.reshape(t, hkv, grp, d)
+    s = torch.einsum("thgd,thld->thgl", qg, k_cat) * scale
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
+    sink_logit = sinks.float().reshape(1, hkv, grp, 1).expand(t, hkv, grp, 1)
+    probs = torch.softmax(torch.cat((s, sink_logit), dim=-1), dim=-1)[..., :-1]
+    out = torch.einsum("thgl,thld->thgd", probs, v_cat).reshape(t, hq, d)
+    if quantized and rotate:
+        out = hadamard(out)
+    return out.unsqueeze(0), codes, scales, new_stage
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library registrations
+
+
+def _inplace_impl(q, k, v, codes, scales, stage, *rest):
+    out, new_codes, new_scales, new_stage = reference_paged_attention(q, k, v, codes, scales, stage, *rest)
+    codes.copy_(new_codes)
+    scales.copy_(new_scales)
+    stage.copy_(new_stage)
+    return out
+
+
+def _inplace_out_impl(q, k, v, codes, scales, stage, *rest, out):
+    out.copy_(_inplace_impl(q, k, v, codes, scales, stage, *rest))
+    return out
+
+
+def _functional_impl(*args):
+    return reference_paged_attention(*args)
+
+
+_lib.impl("quantized_paged_attention", _inplace_impl, "CompositeExplicitAutograd")
+_lib.impl("quantized_paged_attention.out", _inplace_out_impl, "CompositeExplicitAutograd")
+_lib.impl("quantized_paged_attention_functional", _functional_impl, "CompositeExplicitAutograd")
+
+
+def _out_like(q):
+    _, hq, t, d = q.shape
+    return q.new_empty((1, t, hq, d), dtype=torch.float32)
+
+
+@torch.library.register_fake("pagedkv::quantized_paged_attention")
+def _inplace_fake(q, *args):
+    return _out_like(q)
+
+
+@torch.library.register_fake("pagedkv::quantized_paged_attention.out")
+def _inplace_out_fake(q, *args, out):
+    return out
+
+
+@torch.library.register_fake("pagedkv::quantized_paged_attention_functional")
+def _functional_fake(q, k, v, codes, scales, stage, *args):
+    return _out_like(q), torch.empty_like(codes), torch.empty_like(scales), torch.empty_like(stage)

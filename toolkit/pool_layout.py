@@ -1,0 +1,122 @@
+"""The tensors that hold a paged KV pool, as plain data.
+
+Every attention layer owns three tensors (separate allocations, so a phone never needs one big
+buffer); block ids and block tables are shared by all layers:
+
+    codes  [num_blocks, kv_heads, block_size, code_width]   uint8 (float16/float32 for float specs)
+           heads-first: one block of one KV head is a contiguous run of block_size records.
+    scales [num_blocks, kv_heads, block_size, scale_width]  float16 (shape [1,1,1,1] for float specs)
+    stage  [max_seqs, 2, 2, kv_heads, block_size, head_dim] float16: per sequence slot,
+           [sink|tail] x [K|V] float copies of the first block and of the block being filled
+           (shape [1,2,2,kv_heads,block_size,head_dim] when the spec keeps neither).
+
+A token at position p of sequence s lives in slot block_tables[s, p // block_size] * block_size
++ p % block_size. Block table entries of -1 are holes (no block): their keys are skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from toolkit.errors import SpecError
+from toolkit.quant import KVQuantSpec, bytes_per_token, fp_stage_bytes_per_sequence, record_layout
+
+VALID_BLOCK_SIZES = (16, 32)
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    spec: KVQuantSpec
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+    max_seqs: int
+
+    def __post_init__(self):
+        if self.block_size not in VALID_BLOCK_SIZES:
+            raise SpecError(f"block size {self.block_size} is invalid: use 16 or 32 tokens per block.")
+        if self.num_blocks < 1:
+            raise SpecError(f"num_blocks={self.num_blocks}: the pool needs at least one block.")
+        if self.max_seqs < 1:
+            raise SpecError(f"max_seqs={self.max_seqs}: allow at least one sequence.")
+        self.spec.validate(self.head_dim)
+
+    @property
+    def uses_stage(self) -> bool:
+        return not self.spec.is_float and bool(self.spec.fp_tail or self.spec.sink_blocks)
+
+    @property
+    def codes_dtype(self) -> torch.dtype:
+        return {32: torch.float32, 16: torch.float16}.get(self.spec.k_bits, torch.uint8)
+
+    def codes_shape(self) -> tuple[int, ...]:
+        return (self.num_blocks, self.num_kv_heads, self.block_size, record_layout(self.spec, self.head_dim).code_width)
+
+    def scales_shape(self) -> tuple[int, ...]:
+        if self.spec.is_float:
+            return (1, 1, 1, 1)
+        return (self.num_blocks, self.num_kv_heads, self.block_size, record_layout(self.spec, self.head_dim).scale_width)
+
+    def stage_shape(self) -> tuple[int, ...]:
+        rows = self.max_seqs if self.uses_stage else 1
+        return (rows, 2, 2, self.num_kv_heads, self.block_size, self.head_dim)
+
+    def layer_tensor_bytes(self) -> dict[str, int]:
+        elem = {torch.uint8: 1, torch.float16: 2, torch.float32: 4}[self.codes_dtype]
+        n = lambda shape: int(torch.Size(shape).numel())  # noqa: E731
+        return {
+            "codes": n(self.codes_shape()) * elem,
+            "scales": n(self.scales_shape()) * 2,
+            "stage": n(self.stage_shape()) * 2,
+        }
+
+    @property
+    def largest_allocation_bytes(self) -> int:
+        return max(self.layer_tensor_bytes().values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.layer_tensor_bytes().values()) * self.num_layers
+
+    @property
+    def bytes_per_token(self) -> int:
+        return bytes_per_token(self.spec, self.num_kv_heads, self.head_dim, self.num_layers)
+
+    @property
+    def stage_bytes_per_sequence(self) -> int:
+        return fp_stage_bytes_per_sequence(self.spec, self.block_size, self.num_kv_heads, self.head_dim, self.num_layers)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def allocate_layer(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fresh zeroed (codes, scales, stage) tensors for one layer."""
+        return (
+            torch.zeros(self.codes_shape(), dtype=self.codes_dtype),
+            torch.zeros(self.scales_shape(), dtype=torch.float16),
+            torch.zeros(self.stage_shape(), dtype=torch.float16),
+        )
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["spec"] = asdict(self.spec)
+        d.update(
+            codes_shape=list(self.codes_shape()),
+            scales_shape=list(self.scales_shape()),
+            stage_shape=list(self.stage_shape()),
+            codes_dtype=str(self.codes_dtype).removeprefix("torch."),
+            bytes_per_token=self.bytes_per_token,
+            largest_allocation_bytes=self.largest_allocation_bytes,
+            total_bytes=self.total_bytes,
+        )
+        return d
+
+    @staticmethod
+    def from_dict(d: dict) -> "PoolLayout":
+        keys = ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "max_seqs")
+        return PoolLayout(spec=KVQuantSpec(**d["spec"]), **{k: d[k] for k in keys})

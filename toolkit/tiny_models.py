@@ -1,0 +1,63 @@
+"""Tiny random-weight configs of the supported families, for tests and quick exports.
+
+Every model has head_dim 64 (so the default spec's groups and the Hadamard rotation apply), 2
+layers, GQA where the family allows it, and each family's special feature switched on (sliding
+window, logit softcap, QK norm, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+COMMON = dict(
+    vocab_size=512, num_hidden_layers=2, max_position_embeddings=512, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+LLAMA_LIKE = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": dict(model_type="llama", **LLAMA_LIKE),
+    "qwen2": dict(model_type="qwen2", **LLAMA_LIKE),
+    "qwen3": dict(model_type="qwen3", **LLAMA_LIKE),
+    "mistral": dict(model_type="mistral", sliding_window=24, **LLAMA_LIKE),
+    "phi3": dict(
+        model_type="phi3", hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+    ),
+    "gemma2": dict(
+        model_type="gemma2", sliding_window=24, attn_logit_softcapping=20.0, final_logit_softcapping=15.0,
+        query_pre_attn_scalar=64, layer_types=["sliding_attention", "full_attention"], **LLAMA_LIKE,
+    ),
+    "gemma3": dict(
+        model_type="gemma3_text", sliding_window=24, query_pre_attn_scalar=64,
+        layer_types=["sliding_attention", "full_attention"], **LLAMA_LIKE,
+    ),
+    "gpt2": dict(
+        model_type="gpt2", n_embd=256, n_head=4, n_layer=2, n_positions=512, vocab_size=512,
+        bos_token_id=1, eos_token_id=2,
+    ),
+}
+
+
+def tiny_config(family: str, num_layers: int = 2):
+    kwargs = dict(TINY_CONFIGS[family])
+    model_type = kwargs.pop("model_type")
+    if model_type == "gpt2":
+        kwargs["n_layer"] = num_layers
+    else:
+        kwargs = {**COMMON, **kwargs, "num_hidden_layers": num_layers}
+        if "layer_types" in kwargs:
+            kwargs["layer_types"] = kwargs["layer_types"][:num_layers]
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def tiny_model(family: str, seed: int = 0, attn_implementation: str = "eager", num_layers: int = 2):
+    """A float32 eval-mode model with deterministic random weights (scaled up so logits are not flat)."""
+    torch.manual_seed(seed)
+    config = tiny_config(family, num_layers)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    return model.eval()
