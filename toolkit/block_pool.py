@@ -224,7 +224,7 @@ class BlockPool:
         for i in cow:
             src = s.blocks[i]
             dst = self._allocate()
-            pass  # stays >= 1: it was shared
+            self._decref(src)  # stays >= 1: it was shared
             s.blocks[i] = dst
             copies.append((src, dst))
         for _ in range(grow):

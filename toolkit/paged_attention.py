@@ -113,13 +113,16 @@ def reference_paged_attention(
     else:
         codes[blocks, :, offsets] = torch.cat((kt, vt), dim=-1).to(codes.dtype)
 
-    # 2. gather + dequantize every block of each query's sequence
+    # 2. gather + dequantize every block of each query's sequence (once when the call holds a
+    #    single sequence, e.g. a long prefill: then all queries share the gathered keys)
     rows = block_tables[seq_ids]  # [T, M]
     row_ok = (rows >= 0).repeat_interleave(bs, dim=1)  # [T, L]
-    idx = rows.clamp(min=0)
-    gathered = codes[idx].permute(0, 2, 1, 3, 4).reshape(t, hkv, m * bs, -1)
+    shared = not isinstance(seq_ids, torch._subclasses.FakeTensor) and bool((seq_ids == seq_ids[0]).all())
+    idx = rows[:1].clamp(min=0) if shared else rows.clamp(min=0)
+    n = idx.shape[0]
+    gathered = codes[idx].permute(0, 2, 1, 3, 4).reshape(n, hkv, m * bs, -1)
     if quantized:
-        gscales = scales[idx].permute(0, 2, 1, 3, 4).reshape(t, hkv, m * bs, -1)
+        gscales = scales[idx].permute(0, 2, 1, 3, 4).reshape(n, hkv, m * bs, -1)
         kcb = d * k_bits // 8
         ksc = (d // k_group) * (1 if k_sym else 2)
         k_all = dequantize(gathered[..., :kcb], gscales[..., :ksc], k_bits, k_group, k_sym, d)
@@ -182,17 +185,29 @@ def reference_paged_attention(
         new_stage[:, 1, 1] = _update_stage(stage[:, 1, 1], hot, v16)
 
     # 3. attention over [quantized keys | sink keys | tail keys] with one softmax
-    k_cat = torch.cat(keys, dim=2)  # [T, Hkv, L', D]
-    v_cat = torch.cat(vals, dim=2)
     mask = torch.cat(masks, dim=1)  # [T, L']
     qg = qt.reshape(t, hkv, grp, d)
-    s = torch.einsum("thgd,thld->thgl", qg, k_cat) * scale
+    if shared:  # quantized keys [1, Hkv, L, D] broadcast over the queries
+        s_q = torch.einsum("thgd,hld->thgl", qg, k_all[0])
+        s_fp = [torch.einsum("thgd,thld->thgl", qg, kk) for kk in keys[1:]]
+        s = torch.cat([s_q] + s_fp, dim=-1) * scale
+    else:
+        s = torch.einsum("thgd,thld->thgl", qg, torch.cat(keys, dim=2)) * scale
     if softcap > 0:
         s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
     sink_logit = sinks.float().reshape(1, hkv, grp, 1).expand(t, hkv, grp, 1)
     probs = torch.softmax(torch.cat((s, sink_logit), dim=-1), dim=-1)[..., :-1]
-    out = torch.einsum("thgl,thld->thgd", probs, v_cat).reshape(t, hq, d)
+    if shared:
+        lq = k_all.shape[2]
+        out = torch.einsum("thgl,hld->thgd", probs[..., :lq], v_all[0])
+        start = lq
+        for vv in vals[1:]:
+            out = out + torch.einsum("thgl,thld->thgd", probs[..., start : start + bs], vv)
+            start += bs
+        out = out.reshape(t, hq, d)
+    else:
+        out = torch.einsum("thgl,thld->thgd", probs, torch.cat(vals, dim=2)).reshape(t, hq, d)
     if quantized and rotate:
         out = hadamard(out)
     return out.unsqueeze(0), codes, scales, new_stage

@@ -1,0 +1,366 @@
+// Self-contained tests of the pagedkv core: fp16 conversion, pack/quantize round trips, zero groups,
+// every available code path against the scalar one, and attention against a naive dense computation.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "pagedkv_core.h"
+
+using namespace pagedkv;
+
+static int g_fail = 0;
+#define CHECK(cond, ...)                                   \
+  do {                                                     \
+    if (!(cond)) {                                         \
+      ++g_fail;                                            \
+      std::printf("FAIL %s:%d: ", __FILE__, __LINE__);     \
+      std::printf(__VA_ARGS__);                            \
+      std::printf("\n");                                   \
+    }                                                      \
+  } while (0)
+
+static std::mt19937 rng(1234);
+static float randn() { return std::normal_distribution<float>(0.f, 1.f)(rng); }
+
+static void test_fp16() {
+  // every float16 value survives a round trip; halfway cases round to even
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const uint16_t x = (uint16_t)h;
+    if ((x & 0x7c00) == 0x7c00 && (x & 0x3ff)) continue;  // NaN
+    CHECK(fp32_to_fp16(fp16_to_fp32(x)) == x, "fp16 round trip %04x", x);
+  }
+  CHECK(fp32_to_fp16(1.0f + 1.0f / 2048) == 0x3c00, "tie to even down");
+  CHECK(fp32_to_fp16(1.0f + 3.0f / 2048) == 0x3c02, "tie to even up");
+  CHECK(fp32_to_fp16(65504.f) == 0x7bff, "max");
+  CHECK(fp32_to_fp16(65520.f) == 0x7c00, "overflow to inf");
+  CHECK(fp32_to_fp16(std::ldexp(1.f, -25)) == 0, "2^-25 ties to zero");
+  CHECK(fp32_to_fp16(std::ldexp(1.5f, -25)) == 1, "smallest subnormal");
+  // nearest: compare against a brute force rounding of random floats
+  for (int i = 0; i < 200000; ++i) {
+    const float f = randn() * std::ldexp(1.f, (int)(rng() % 40) - 28);
+    const uint16_t h = fp32_to_fp16(f);
+    const double e = std::fabs((double)fp16_to_fp32(h) - f);
+    const double e_up = std::fabs((double)fp16_to_fp32((uint16_t)(h + 1)) - f);
+    const double e_dn = (h & 0x7fff) ? std::fabs((double)fp16_to_fp32((uint16_t)(h - 1)) - f) : 1e30;
+    CHECK(e <= e_up && e <= e_dn, "fp16 nearest %g", f);
+    if (g_fail > 20) return;
+  }
+}
+
+static void test_quant_roundtrip() {
+  for (int bits = 2; bits <= 8; ++bits)
+    for (int sym = 0; sym < 2; ++sym)
+      for (int D : {64, 128}) {
+        if ((D * bits) % 8) continue;
+        for (int group : {8, 32, D}) {
+          std::vector<float> x(D), y(D);
+          for (auto& v : x) v = randn() * 3.f;
+          std::vector<uint8_t> codes(D * bits / 8);
+          std::vector<uint16_t> meta(2 * (D / group));
+          quantize_record(x.data(), D, bits, group, sym, codes.data(), meta.data());
+          dequantize_record(codes.data(), meta.data(), D, bits, group, sym, y.data());
+          for (int g = 0; g < D / group; ++g) {
+            const float s = fp16_to_fp32(meta[g]);
+            for (int i = g * group; i < (g + 1) * group; ++i)
+              CHECK(std::fabs(x[i] - y[i]) <= 0.5f * s * 1.01f + 2e-3f * std::fabs(x[i]) + 1e-3f,
+                    "bits %d sym %d group %d: x %g y %g s %g", bits, sym, group, x[i], y[i], s);
+          }
+          // re-quantizing the dequantized values is stable (codes identical)
+          std::vector<uint8_t> codes2(codes.size());
+          std::vector<uint16_t> meta2(meta.size());
+          quantize_record(y.data(), D, bits, group, sym, codes2.data(), meta2.data());
+          std::vector<float> y2(D);
+          dequantize_record(codes2.data(), meta2.data(), D, bits, group, sym, y2.data());
+          for (int i = 0; i < D; ++i) CHECK(std::fabs(y2[i] - y[i]) <= 1e-2f * (std::fabs(y[i]) + 1.f), "requant");
+          if (g_fail > 20) return;
+        }
+      }
+  // zero groups: scale 0, exact zeros back
+  for (int sym = 0; sym < 2; ++sym) {
+    std::vector<float> x(64, 0.f), y(64, 1.f);
+    for (int i = 32; i < 64; ++i) x[i] = randn();
+    std::vector<uint8_t> codes(32);
+    std::vector<uint16_t> meta(4);
+    quantize_record(x.data(), 64, 4, 32, sym, codes.data(), meta.data());
+    CHECK(meta[0] == 0, "zero group scale");
+    dequantize_record(codes.data(), meta.data(), 64, 4, 32, sym, y.data());
+    for (int i = 0; i < 32; ++i) CHECK(y[i] == 0.f, "zero group value %g", y[i]);
+  }
+  // packing order: 4-bit value 0 is the low nibble
+  {
+    std::vector<float> x(8, 0.f);
+    x[0] = -1.f;  // sym 4 bit: u = -7 + 8 = 1
+    x[1] = 1.f;   // u = 15
+    uint8_t codes[4];
+    uint16_t meta[1];
+    quantize_record(x.data(), 8, 4, 8, true, codes, meta);
+    CHECK(codes[0] == 0xf1, "nibble order %02x", codes[0]);
+  }
+  // hadamard is its own inverse
+  {
+    std::vector<float> x(128), y;
+    for (auto& v : x) v = randn();
+    y = x;
+    hadamard(y.data(), 128);
+    hadamard(y.data(), 128);
+    for (int i = 0; i < 128; ++i) CHECK(std::fabs(x[i] - y[i]) < 1e-5f, "hadamard inverse");
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+
+struct Case {
+  int Hq, Hkv, D, bs, NB, S, M;
+  PagedAttnParams p;
+  std::vector<float> q, k, v, sinks;
+  std::vector<uint8_t> codes;  // raw bytes of the pool (uint8 / fp16 / fp32)
+  std::vector<uint16_t> scales, stage;
+  std::vector<int64_t> pos, seq, table;
+};
+
+static Case make_case(int Hq, int Hkv, int D, int bs, int kbits, int vbits, bool rotate, bool tail, int sink,
+                      int window, float softcap, bool with_sinks, int float_bits, const std::vector<int>& lens) {
+  Case c;
+  c.Hq = Hq, c.Hkv = Hkv, c.D = D, c.bs = bs;
+  c.S = (int)lens.size();
+  int maxlen = 0;
+  for (int n : lens) maxlen = std::max(maxlen, n);
+  c.M = (maxlen + bs - 1) / bs + 1;
+  c.NB = c.S * c.M + 1;
+  PagedAttnParams& p = c.p;
+  p.Hq = Hq, p.Hkv = Hkv, p.D = D, p.block_size = bs, p.num_blocks = c.NB, p.stage_rows = c.S, p.table_rows = c.S;
+  p.max_blocks_per_seq = c.M;
+  p.float_pool = float_bits != 0;
+  p.float_bits = float_bits ? float_bits : 32;
+  p.k_bits = kbits, p.v_bits = vbits, p.k_group = 32, p.v_group = 32, p.k_sym = true, p.v_sym = false;
+  p.rotate = rotate, p.fp_tail = tail, p.sink_blocks = sink, p.window = window, p.softcap = softcap;
+  p.scale = 1.f / std::sqrt((float)D);
+  record_widths(p, &p.code_width, &p.scale_width);
+  const size_t elem = p.float_pool ? p.float_bits / 8 : 1;
+  c.codes.assign((size_t)c.NB * Hkv * bs * p.code_width * elem, 0);
+  c.scales.assign((size_t)c.NB * Hkv * bs * std::max(1, p.scale_width), 0);
+  c.stage.assign((size_t)c.S * 4 * Hkv * bs * D, 0);
+  // block tables: a shuffled set of distinct blocks
+  std::vector<int64_t> ids;
+  for (int i = 0; i < c.NB; ++i) ids.push_back(i);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  c.table.assign((size_t)c.S * c.M, -1);
+  for (int s = 0, k = 0; s < c.S; ++s)
+    for (int b = 0; b < c.M; ++b) c.table[s * c.M + b] = ids[k++];
+  int T = 0;
+  for (int s = 0; s < c.S; ++s)
+    for (int i = 0; i < lens[s]; ++i) c.pos.push_back(i), c.seq.push_back(s), ++T;
+  p.T = T;
+  c.q.resize((size_t)Hq * T * D);
+  c.k.resize((size_t)Hkv * T * D);
+  c.v.resize((size_t)Hkv * T * D);
+  for (auto& x : c.q) x = randn();
+  for (auto& x : c.k) x = randn();
+  for (auto& x : c.v) x = randn();
+  c.sinks.assign(Hq, -INFINITY);
+  if (with_sinks)
+    for (auto& x : c.sinks) x = randn();
+  return c;
+}
+
+static int run_case(Case& c, std::vector<float>& out, std::string* err = nullptr) {
+  out.assign((size_t)c.p.T * c.Hq * c.D, 0.f);
+  PagedAttnBuffers b;
+  b.q = c.q.data(), b.k = c.k.data(), b.v = c.v.data();
+  b.codes = c.codes.data(), b.scales = c.scales.data(), b.stage = c.stage.data();
+  b.positions = c.pos.data(), b.seq_ids = c.seq.data(), b.block_tables = c.table.data(), b.sinks = c.sinks.data();
+  b.out = out.data();
+  char msg[512] = {0};
+  const int rc = paged_attention(c.p, b, msg, sizeof msg);
+  if (err) *err = msg;
+  if (rc && !err) std::printf("error: %s\n", msg);
+  return rc;
+}
+
+static float qdq(float x, int bits, int group, bool sym, const float* grp, int idx) {
+  (void)x;
+  std::vector<uint8_t> codes(group * bits / 8 + 1);
+  uint16_t meta[2];
+  std::vector<float> y(group);
+  quantize_record(grp, group, bits, group, sym, codes.data(), meta);
+  dequantize_record(codes.data(), meta, group, bits, group, sym, y.data());
+  return y[idx];
+}
+
+// Naive dense attention for a single-call prefill of every sequence (all tokens in this call).
+static std::vector<float> naive(const Case& c) {
+  const PagedAttnParams& p = c.p;
+  const int T = p.T, D = c.D, G = c.Hq / c.Hkv, bs = c.bs;
+  const bool quant = !p.float_pool;
+  auto rot = [&](std::vector<float> x) {
+    if (quant && p.rotate) hadamard(x.data(), D);
+    return x;
+  };
+  auto row = [&](const std::vector<float>& src, int H, int h, int t) {
+    return std::vector<float>(src.begin() + ((size_t)h * T + t) * D, src.begin() + ((size_t)h * T + t + 1) * D);
+  };
+  auto cache_val = [&](const std::vector<float>& x, int bits, bool sym, int j, bool full_prec) {
+    std::vector<float> y(D);
+    if (!quant) {
+      for (int i = 0; i < D; ++i) y[i] = p.float_bits == 16 ? fp16_to_fp32(fp32_to_fp16(x[i])) : x[i];
+    } else if (full_prec) {
+      for (int i = 0; i < D; ++i) y[i] = fp16_to_fp32(fp32_to_fp16(x[i]));
+    } else {
+      for (int i = 0; i < D; ++i) y[i] = qdq(x[i], bits, 32, sym, x.data() + (i / 32) * 32, i % 32);
+    }
+    (void)j;
+    return y;
+  };
+  std::vector<float> out((size_t)T * c.Hq * D);
+  for (int t = 0; t < T; ++t) {
+    const int s = (int)c.seq[t], P = (int)c.pos[t];
+    for (int hq = 0; hq < c.Hq; ++hq) {
+      const int h = hq / G;
+      std::vector<float> q = rot(row(c.q, c.Hq, hq, t));
+      std::vector<double> logits;
+      std::vector<std::vector<float>> vals;
+      for (int u = 0; u < T; ++u) {
+        if (c.seq[u] != s) continue;
+        const int j = (int)c.pos[u];
+        if (j > P || (p.window > 0 && j <= P - p.window)) continue;
+        const bool fp = quant && ((p.sink_blocks && j < bs) || (p.fp_tail && j / bs == P / bs));
+        std::vector<float> kk = cache_val(rot(row(c.k, c.Hkv, h, u)), p.k_bits, p.k_sym, j, fp);
+        std::vector<float> vv = cache_val(rot(row(c.v, c.Hkv, h, u)), p.v_bits, p.v_sym, j, fp);
+        double sc = 0;
+        for (int i = 0; i < D; ++i) sc += (double)q[i] * kk[i];
+        sc *= p.scale;
+        if (p.softcap > 0) sc = std::tanh(sc / p.softcap) * p.softcap;
+        logits.push_back(sc);
+        vals.push_back(vv);
+      }
+      double m = -INFINITY;
+      for (double l : logits) m = std::max(m, l);
+      if (c.sinks[hq] > -INFINITY) m = std::max(m, (double)c.sinks[hq]);
+      double den = c.sinks[hq] > -INFINITY ? std::exp(c.sinks[hq] - m) : 0.0;
+      std::vector<double> acc(D, 0.0);
+      for (size_t i = 0; i < logits.size(); ++i) {
+        const double e = std::exp(logits[i] - m);
+        den += e;
+        for (int d = 0; d < D; ++d) acc[d] += e * vals[i][d];
+      }
+      std::vector<float> o(D);
+      for (int d = 0; d < D; ++d) o[d] = (float)(acc[d] / den);
+      if (quant && p.rotate) hadamard(o.data(), D);
+      std::copy(o.begin(), o.end(), out.begin() + ((size_t)t * c.Hq + hq) * D);
+    }
+  }
+  return out;
+}
+
+static float max_rel(const std::vector<float>& a, const std::vector<float>& b) {
+  float m = 0.f;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(a[i] - b[i]) / (std::fabs(b[i]) + 1e-2f));
+  return m;
+}
+
+static void test_attention_vs_naive() {
+  struct Cfg { int Hq, Hkv, D, bs, kb, vb; bool rot, tail; int sink, window; float cap; bool sinks; int fb; std::vector<int> lens; };
+  std::vector<Cfg> cfgs = {
+      {4, 2, 64, 16, 8, 4, false, false, 0, 0, 0.f, false, 32, {37, 5}},
+      {8, 2, 64, 16, 8, 4, true, true, 1, 0, 0.f, true, 0, {50, 1, 17}},
+      {3, 1, 128, 32, 8, 4, true, true, 1, 20, 30.f, false, 0, {70}},
+      {4, 4, 64, 16, 4, 4, true, false, 0, 0, 0.f, true, 0, {33}},
+      {6, 2, 64, 16, 5, 3, false, true, 0, 9, 0.f, false, 0, {40, 18}},
+      {2, 1, 64, 32, 16, 16, false, false, 0, 0, 0.f, false, 16, {45}},
+  };
+  for (const Cfg& f : cfgs) {
+    Case c = make_case(f.Hq, f.Hkv, f.D, f.bs, f.fb ? f.fb : f.kb, f.fb ? f.fb : f.vb, f.rot, f.tail, f.sink,
+                       f.window, f.cap, f.sinks, f.fb, f.lens);
+    std::vector<float> out;
+    CHECK(run_case(c, out) == 0, "run");
+    const std::vector<float> ref = naive(c);
+    const float e = max_rel(out, ref);
+    CHECK(e < 2e-4f, "attention vs naive (Hq %d Hkv %d D %d kb %d vb %d): max rel err %g", f.Hq, f.Hkv, f.D, f.kb,
+          f.vb, e);
+  }
+}
+
+static void test_paths_agree() {
+  std::vector<Isa> paths;
+  for (Isa i : {Isa::kAvx2, Isa::kNeon, Isa::kNeonDot})
+    if (isa_available(i)) paths.push_back(i);
+  std::printf("code paths: scalar");
+  for (Isa i : paths) std::printf(" %s", isa_name(i));
+  std::printf("\n");
+  for (int trial = 0; trial < 12; ++trial) {
+    const int kb = 2 + (int)(rng() % 7), vb = 2 + (int)(rng() % 7);
+    const int fb = trial == 10 ? 16 : trial == 11 ? 32 : 0;
+    const int G = 1 + (int)(rng() % 4);
+    std::vector<int> lens = {1 + (int)(rng() % 60), 1 + (int)(rng() % 5)};
+    Case base = make_case(2 * G, 2, trial % 2 ? 128 : 64, trial % 3 ? 16 : 32, fb ? fb : kb, fb ? fb : vb,
+                          !fb && trial % 2, !fb && trial % 4 != 0, !fb && (trial % 3 == 0), trial == 5 ? 7 : 0,
+                          trial == 6 ? 20.f : 0.f, trial % 2, fb, lens);
+    // a second call: decode one token for each sequence on top of the pool the first call wrote
+    set_isa(Isa::kScalar);
+    Case c0 = base;
+    std::vector<float> out0;
+    run_case(c0, out0);
+    for (Isa isa : paths) {
+      set_isa(isa);
+      Case c1 = base;
+      std::vector<float> out1;
+      run_case(c1, out1);
+      CHECK(c1.codes == c0.codes && c1.scales == c0.scales && c1.stage == c0.stage, "%s pools differ", isa_name(isa));
+      const float e = max_rel(out1, out0);
+      CHECK(e < 1e-4f, "%s vs scalar trial %d: max rel err %g", isa_name(isa), trial, e);
+    }
+  }
+  set_isa(Isa::kAuto);
+}
+
+static void test_errors() {
+  Case c = make_case(2, 1, 64, 16, 8, 4, true, true, 1, 0, 0.f, false, 0, {20});
+  std::vector<uint8_t> codes0 = c.codes;
+  c.k[5 * 64 + 3] = NAN;
+  std::vector<float> out;
+  std::string msg;
+  CHECK(run_case(c, out, &msg) == kErrNonFinite, "NaN K must fail");
+  CHECK(msg.find("non-finite K") != std::string::npos && msg.find("position 5") != std::string::npos, "msg: %s",
+        msg.c_str());
+  CHECK(c.codes == codes0, "nothing written on error");
+  Case d = make_case(2, 1, 64, 16, 8, 4, true, true, 1, 0, 0.f, false, 0, {20});
+  d.table[1] = -1;  // positions 16..19 have no block
+  CHECK(run_case(d, out, &msg) == kErrSlot, "hole slot must fail: %s", msg.c_str());
+  Case e = make_case(2, 1, 64, 16, 8, 4, true, true, 1, 0, 0.f, false, 0, {20});
+  e.p.code_width = 10;
+  CHECK(run_case(e, out, &msg) == kErrShape, "bad width must fail");
+}
+
+static void test_threads() {
+  Case base = make_case(8, 2, 64, 16, 8, 4, true, true, 1, 0, 0.f, true, 0, {64, 30, 3});
+  set_num_threads(1);
+  Case a = base;
+  std::vector<float> oa, ob;
+  run_case(a, oa);
+  set_num_threads(4);
+  Case b = base;
+  run_case(b, ob);
+  set_num_threads(0);
+  CHECK(oa == ob && a.codes == b.codes && a.stage == b.stage, "threads change the result");
+}
+
+int main() {
+  test_fp16();
+  test_quant_roundtrip();
+  test_attention_vs_naive();
+  test_paths_agree();
+  test_errors();
+  test_threads();
+  std::printf("active path: %s, threads %d\n", isa_name(active_isa()), num_threads());
+  if (g_fail) {
+    std::printf("%d FAILED\n", g_fail);
+    return 1;
+  }
+  std::printf("all pagedkv core tests passed\n");
+  return 0;
+}
