@@ -56,6 +56,24 @@ def _check_finite(x: torch.Tensor, name: str, layer: int, positions: torch.Tenso
         )
 
 
+def _tracing(x: torch.Tensor) -> bool:
+    """True under torch.export / ONNX export (no data-dependent Python decisions allowed)."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return (
+        torch.compiler.is_compiling()
+        or torch.compiler.is_exporting()
+        or isinstance(x, (torch._subclasses.FakeTensor, FunctionalTensor))
+    )
+
+
+def _within_window(dist, window):
+    """dist = query position - key position; window <= 0 means unlimited. Works for ints and tensors."""
+    if isinstance(window, torch.Tensor):
+        return (window <= 0) | (dist < window)
+    return dist < window if window > 0 else torch.ones_like(dist, dtype=torch.bool)
+
+
 def _one_hot_rows(seq_ids, offsets, select, num_rows: int, block_size: int) -> torch.Tensor:
     """[rows, block_size, T] float one-hot: token t lands in (seq_ids[t], offsets[t]) when select[t]."""
     rows = torch.arange(num_rows, device=seq_ids.device)
@@ -90,7 +108,8 @@ def reference_paged_attention(
     seq_ids = seq_ids.to(torch.int64)
     block_tables = block_tables.to(torch.int64)
 
-    if not isinstance(k, torch._subclasses.FakeTensor):
+    tracing = _tracing(k)
+    if not tracing:
         _check_finite(k[0], "K", layer, positions, seq_ids)
         _check_finite(v[0], "V", layer, positions, seq_ids)
 
@@ -117,7 +136,7 @@ def reference_paged_attention(
     #    single sequence, e.g. a long prefill: then all queries share the gathered keys)
     rows = block_tables[seq_ids]  # [T, M]
     row_ok = (rows >= 0).repeat_interleave(bs, dim=1)  # [T, L]
-    shared = not isinstance(seq_ids, torch._subclasses.FakeTensor) and bool((seq_ids == seq_ids[0]).all())
+    shared = not tracing and bool((seq_ids == seq_ids[0]).all())
     idx = rows[:1].clamp(min=0) if shared else rows.clamp(min=0)
     n = idx.shape[0]
     gathered = codes[idx].permute(0, 2, 1, 3, 4).reshape(n, hkv, m * bs, -1)
@@ -132,9 +151,7 @@ def reference_paged_attention(
 
     p = positions[:, None]
     j = torch.arange(m * bs)[None, :]
-    visible = (j <= p) & row_ok
-    if window > 0:
-        visible = visible & (j > p - window)
+    visible = (j <= p) & row_ok & _within_window(p - j, window)
     use_sink = quantized and sink_blocks > 0
     use_tail = quantized and fp_tail
     quant_mask = visible
@@ -156,9 +173,7 @@ def reference_paged_attention(
         new_stage[:, 0, 1] = _update_stage(stage[:, 0, 1], hot, v16)
         keys.append(new_stage[seq_ids, 0, 0].float())  # [T, Hkv, bs, D]
         vals.append(new_stage[seq_ids, 0, 1].float())
-        sink_mask = (o <= p) & (rows[:, :1] >= 0)
-        if window > 0:
-            sink_mask = sink_mask & (o > p - window)
+        sink_mask = (o <= p) & (rows[:, :1] >= 0) & _within_window(p - o, window)
         masks.append(sink_mask)
     if use_tail:
         same_seq = seq_ids[:, None] == seq_ids[None, :]
@@ -173,9 +188,7 @@ def reference_paged_attention(
         sel = in_call[:, None, :, None]
         keys.append(torch.where(sel, from_call_k, stage[seq_ids, 1, 0]).float())
         vals.append(torch.where(sel, from_call_v, stage[seq_ids, 1, 1]).float())
-        tail_mask = dist >= 0
-        if window > 0:
-            tail_mask = tail_mask & (dist < window)
+        tail_mask = (dist >= 0) & _within_window(dist, window)
         if use_sink:
             tail_mask = tail_mask & (p // bs >= sink_blocks)
         masks.append(tail_mask)
@@ -193,7 +206,9 @@ def reference_paged_attention(
         s = torch.cat([s_q] + s_fp, dim=-1) * scale
     else:
         s = torch.einsum("thgd,thld->thgl", qg, torch.cat(keys, dim=2)) * scale
-    if softcap > 0:
+    if isinstance(softcap, torch.Tensor):
+        s = torch.where(softcap > 0, torch.tanh(s / softcap) * softcap, s)
+    elif softcap > 0:
         s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
     sink_logit = sinks.float().reshape(1, hkv, grp, 1).expand(t, hkv, grp, 1)
