@@ -1,0 +1,30 @@
+# pagedkv: `make demo` runs the main job on the default model, `make test` runs the tests.
+# Both bootstrap .venv idempotently (pinned torch/executorch; torch's CPU wheel comes from the
+# machine's wheel directory, see pyproject.toml).
+
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: venv demo test pytest clean bench
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+include toolkit/csrc/build.mk
+
+demo: venv native
+	$(BIN)/python -m toolkit.demo
+
+pytest: venv native
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test: venv native-test pytest
+
+clean:
+	rm -rf build .hypothesis

@@ -1,0 +1,215 @@
+"""The desktop engine: owns the block pool, runs prefill/decode on a backend, samples tokens.
+
+    engine = Engine(TorchBackend(paged_model), tokenizer)
+    conv = engine.new_conversation()
+    for token_id in engine.generate(conv, prompt_ids, max_new_tokens=32): ...
+    engine.clear(conv)            # its blocks go back to the pool at once
+
+A backend runs the compiled graph on (ids, positions, seq_ids, block_tables) and keeps the pool
+tensors; the engine keeps the metadata (toolkit.block_pool.BlockPool): which blocks each
+conversation owns, reference counts, copy-on-write.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+import numpy as np
+
+from toolkit.block_pool import BlockPool
+from toolkit.errors import PagedKVError, PoolExhausted
+from toolkit.pool_layout import PoolLayout
+
+
+class Backend(Protocol):
+    layout: PoolLayout
+
+    def forward(self, ids: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, tables: np.ndarray) -> np.ndarray:
+        """Run one step; returns logits [T, V] float32 and updates the pool in place."""
+
+    def copy_block(self, src: int, dst: int) -> None: ...
+
+    def copy_stage(self, src_seq: int, dst_seq: int) -> None: ...
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
+    if s.temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / s.temperature
+    if s.top_k > 0:
+        kth = np.partition(z, -s.top_k)[-s.top_k]
+        z = np.where(z < kth, -np.inf, z)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if s.top_p < 1.0:
+        order = np.argsort(-p)
+        keep = np.cumsum(p[order]) - p[order] < s.top_p
+        mask = np.zeros_like(p, dtype=bool)
+        mask[order[keep]] = True
+        p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    return int(rng.choice(len(p), p=p))
+
+
+@dataclass
+class Conversation:
+    seq: int  # pool sequence slot
+    history: list[int] = field(default_factory=list)  # tokens in the cache
+    pending: list[int] = field(default_factory=list)  # generated, not yet fed (goes first next turn)
+
+
+@dataclass
+class Counters:
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+
+
+class Engine:
+    def __init__(self, backend: Backend, tokenizer=None, prefill_chunk: int = 64):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        lay = backend.layout
+        self.pool = BlockPool(lay.num_blocks, lay.block_size, lay.max_seqs)
+        self.prefill_chunk = prefill_chunk
+        self.conversations: dict[int, Conversation] = {}
+        self.counters = Counters()
+        self._next_id = 0
+
+    # -- conversations -------------------------------------------------------------------------
+
+    def new_conversation(self) -> int:
+        seq = self.pool.new_sequence()
+        cid = self._next_id
+        self._next_id += 1
+        self.conversations[cid] = Conversation(seq)
+        return cid
+
+    def fork(self, cid: int) -> int:
+        """A new conversation sharing cid's cached blocks (copy-on-write), e.g. a shared system prompt."""
+        src = self._conv(cid)
+        seq = self.pool.fork(src.seq)
+        self.backend.copy_stage(src.seq, seq)
+        new = self._next_id
+        self._next_id += 1
+        self.conversations[new] = Conversation(seq, list(src.history), list(src.pending))
+        return new
+
+    def clear(self, cid: int) -> None:
+        """Release the conversation's blocks; it stays usable and starts empty."""
+        conv = self._conv(cid)
+        self.pool.release(conv.seq)
+        conv.seq = self.pool.new_sequence()
+        conv.history, conv.pending = [], []
+
+    def close(self, cid: int) -> None:
+        conv = self._conv(cid)
+        self.pool.release(conv.seq)
+        del self.conversations[cid]
+
+    def _conv(self, cid: int) -> Conversation:
+        if cid not in self.conversations:
+            raise PagedKVError(f"unknown conversation {cid}: create one with new_conversation().")
+        return self.conversations[cid]
+
+    # -- running -------------------------------------------------------------------------------
+
+    def _tables(self, width: int) -> np.ndarray:
+        lay = self.backend.layout
+        tables = np.full((lay.max_seqs, max(width, 1)), -1, dtype=np.int64)
+        for seq in self.pool.live_sequences():
+            row = self.pool.block_table(seq)[:width]
+            tables[seq, : len(row)] = row
+        return tables
+
+    def _run(self, items: list[tuple[Conversation, list[int]]]) -> list[np.ndarray]:
+        """Write tokens for several conversations in one call; returns each one's last logits."""
+        for conv, toks in items:  # reserve all first: a PoolExhausted leaves every table unchanged
+            for src, dst in self.pool.reserve(conv.seq, len(toks)):
+                self.backend.copy_block(src, dst)
+        ids, pos, seqs = [], [], []
+        for conv, toks in items:
+            start = self.pool.length(conv.seq)
+            ids += toks
+            pos += range(start, start + len(toks))
+            seqs += [conv.seq] * len(toks)
+        bs = self.backend.layout.block_size
+        width = max(-(-(self.pool.length(c.seq) + len(t)) // bs) for c, t in items)
+        logits = self.backend.forward(
+            np.asarray(ids, np.int64), np.asarray(pos, np.int64), np.asarray(seqs, np.int64), self._tables(width)
+        )
+        out, i = [], 0
+        for conv, toks in items:
+            self.pool.commit(conv.seq, toks)
+            conv.history += toks
+            i += len(toks)
+            out.append(logits[i - 1])
+        return out
+
+    def prefill(self, cid: int, token_ids: list[int]) -> np.ndarray:
+        conv = self._conv(cid)
+        if not token_ids:
+            raise PagedKVError("empty prompt: give at least one token.")
+        token_ids = conv.pending + list(token_ids)
+        need = -(-(self.pool.length(conv.seq) + len(token_ids)) // self.pool.block_size) - len(
+            self.pool.block_table(conv.seq)
+        )
+        if need > self.pool.num_free_blocks:  # check the whole prompt up front: no half-prefilled turn
+            raise PoolExhausted(need, self.pool.num_free_blocks, f"a prompt of {len(token_ids)} tokens")
+        conv.pending = []
+        t0 = time.perf_counter()
+        for a in range(0, len(token_ids), self.prefill_chunk):
+            last = self._run([(conv, token_ids[a : a + self.prefill_chunk])])[0]
+        self.counters.prefill_tokens += len(token_ids)
+        self.counters.prefill_seconds += time.perf_counter() - t0
+        return last
+
+    def generate(
+        self,
+        cid: int,
+        prompt_ids: list[int],
+        max_new_tokens: int = 64,
+        sampling: Sampling | None = None,
+        stop_ids: tuple[int, ...] = (),
+    ) -> Iterator[int]:
+        """Prefill the prompt (appended to the conversation) and stream up to max_new_tokens tokens."""
+        sampling = sampling or Sampling()
+        rng = np.random.default_rng(sampling.seed)
+        conv = self._conv(cid)
+        logits = self.prefill(cid, prompt_ids)
+        for i in range(max_new_tokens):
+            tok = sample(logits, sampling, rng)
+            yield tok
+            if tok in stop_ids or i == max_new_tokens - 1:
+                conv.pending = [tok]  # fed at the start of the next turn
+                return
+            t0 = time.perf_counter()
+            logits = self._run([(conv, [tok])])[0]
+            self.counters.decode_tokens += 1
+            self.counters.decode_seconds += time.perf_counter() - t0
+
+    # -- stats ---------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        lay = self.backend.layout
+        s = self.pool.stats()
+        c = self.counters
+        s.update(
+            kv_bytes_in_use=s["used_blocks"] * lay.block_size * lay.bytes_per_token
+            + len(self.pool.live_sequences()) * lay.stage_bytes_per_sequence,
+            pool_bytes=lay.total_bytes,
+            prefill_tok_s=c.prefill_tokens / c.prefill_seconds if c.prefill_seconds else 0.0,
+            decode_tok_s=c.decode_tokens / c.decode_seconds if c.decode_seconds else 0.0,
+        )
+        return s
