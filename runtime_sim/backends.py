@@ -38,3 +38,59 @@ class TorchBackend:
         for _, _, stage in self.paged.pool_tensors():
             if stage.shape[0] > 1:
                 stage[dst_seq] = stage[src_seq]
+
+
+class OrtBackend:
+    """The exported .onnx on onnxruntime. Pools are OrtValues bound as both input and output of
+    every step (IOBinding), so they are updated in place and never copied between steps."""
+
+    name = "onnxruntime"
+
+    def __init__(self, onnx_path, layout, inputs: list[str], outputs: list[str], native: bool | None = None,
+                 threads: int = 0):
+        import onnxruntime as ort
+
+        self.layout = layout
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        self.native = False
+        if native is not False:
+            from toolkit import native as native_lib
+
+            if native is None:
+                native = native_lib.ort_library_path(required=False) is not None
+        if native:
+            so.register_custom_ops_library(str(native_lib.ort_library_path()))
+            self.native = True
+        self.session = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        self.inputs, self.outputs = inputs, outputs
+        # numpy arrays own the memory; the OrtValues wrap it without a copy (CPU)
+        self.arrays = [t.numpy() for i in range(layout.num_layers) for t in layout.allocate_layer()]
+        self.pools = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.arrays]
+        self.binding = self.session.io_binding()
+        self.binding.bind_output(outputs[0], "cpu")  # first, so get_outputs()[0] is the logits
+        for name, out_name, value in zip(inputs[4:], outputs[1:], self.pools):
+            self.binding.bind_ortvalue_input(name, value)
+            self.binding.bind_ortvalue_output(out_name, value)
+
+    def forward(self, ids, positions, seq_ids, tables) -> np.ndarray:
+        b = self.binding
+        b.bind_cpu_input(self.inputs[0], np.ascontiguousarray(ids[None]))
+        b.bind_cpu_input(self.inputs[1], np.ascontiguousarray(positions))
+        b.bind_cpu_input(self.inputs[2], np.ascontiguousarray(seq_ids))
+        b.bind_cpu_input(self.inputs[3], np.ascontiguousarray(tables))
+        b.bind_output(self.outputs[0], "cpu")  # logits change shape with T: let ORT allocate them
+        self.session.run_with_iobinding(b)
+        return b.get_outputs()[0].numpy()[0]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for i in range(self.layout.num_layers):
+            for a in (self.arrays[3 * i], self.arrays[3 * i + 1]):
+                if a.shape[0] > 1:
+                    a[dst] = a[src]
+
+    def copy_stage(self, src_seq: int, dst_seq: int) -> None:
+        for i in range(self.layout.num_layers):
+            a = self.arrays[3 * i + 2]
+            if a.shape[0] > 1:
+                a[dst_seq] = a[src_seq]

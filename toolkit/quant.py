@@ -230,16 +230,18 @@ def _bit_positions(n: int, bits: int, device=None):
 
 
 def pack_bits(u: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unsigned codes [..., n] (values < 2^bits) into uint8 [..., n*bits/8], LSB first."""
+    """Pack unsigned codes [..., n] (values < 2^bits) into uint8 [..., n*bits/8], LSB first.
+
+    Written with integer * / // % (no shifts) so that it exports to standard ONNX ops."""
     n = u.shape[-1]
     if bits == 8:
         return u.to(torch.uint8)
     nbytes = n * bits // 8
     byte, shift = _bit_positions(n, bits, u.device)
-    v = u.to(torch.int32) << shift.to(torch.int32)  # at most 15 bits
+    v = u.to(torch.int32) * (2 ** shift).to(torch.int32)  # u << shift: at most 15 bits
     out = torch.zeros(*u.shape[:-1], nbytes + 1, dtype=torch.int32, device=u.device)
-    out.index_add_(-1, byte, v & 0xFF)
-    out.index_add_(-1, byte + 1, v >> 8)
+    out.index_add_(-1, byte, v % 256)
+    out.index_add_(-1, byte + 1, v // 256)
     return out[..., :nbytes].to(torch.uint8)
 
 
@@ -249,8 +251,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         return packed.to(torch.int32)
     byte, shift = _bit_positions(n, bits, packed.device)
     p = torch.nn.functional.pad(packed.to(torch.int32), (0, 1))
-    word = p[..., byte] | (p[..., byte + 1] << 8)
-    return (word >> shift) & ((1 << bits) - 1)
+    word = p[..., byte] + p[..., byte + 1] * 256
+    return (word // (2 ** shift).to(torch.int32)) % (1 << bits)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,178 @@
+"""ONNX export: one `pagedkv::QuantizedPagedAttention` node per layer + a standard-op fallback function.
+
+The compiled model is exported in its functional form (pools in, updated pools out). Each attention
+layer becomes one node of the custom domain "pagedkv" carrying the op's scalar arguments as
+attributes. The model also carries an ONNX *function* with the same domain and name, built by
+exporting the op's plain-PyTorch reference to standard ONNX ops: stock onnxruntime inlines that
+function; with the native kernel library registered (toolkit.native) ORT runs the kernel instead.
+The per-layer values (scale, window, softcap) reach the function through attribute references.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import onnx
+import torch
+from onnx import helper
+
+from toolkit.compiler import FunctionalPagedModel, PagedModel
+from toolkit.paged_attention import SCALAR_ARG_NAMES, reference_paged_attention
+from toolkit.pool_layout import PoolLayout
+
+DOMAIN = "pagedkv"
+OP_TYPE = "QuantizedPagedAttention"
+OPSET = 21
+TENSOR_INPUTS = ("q", "k", "v", "codes", "scales", "stage", "positions", "seq_ids", "block_tables", "sinks")
+TENSOR_OUTPUTS = ("out", "codes_out", "scales_out", "stage_out")
+FLOAT_ATTRS = ("scale", "softcap")
+INT_ATTRS = tuple(n for n in SCALAR_ARG_NAMES if n not in FLOAT_ATTRS)
+# the attributes the fallback body reads (the rest describe the spec, which the body has baked in)
+_REF_ATTRS = {"scale": onnx.AttributeProto.FLOAT, "window": onnx.AttributeProto.INT, "softcap": onnx.AttributeProto.FLOAT}
+
+
+def register_schema() -> None:
+    """Tell onnx about the custom op (so the checker and onnxscript accept the node)."""
+    if onnx.defs.has(OP_TYPE, DOMAIN):
+        return
+    O = onnx.defs.OpSchema
+    schema = O(
+        OP_TYPE,
+        DOMAIN,
+        1,
+        doc="Paged attention over a group-wise quantized KV block pool (see toolkit/paged_attention.py).",
+        inputs=[O.FormalParameter(n, "T" + str(i)) for i, n in enumerate(TENSOR_INPUTS)],
+        outputs=[O.FormalParameter(n, "U" + str(i)) for i, n in enumerate(TENSOR_OUTPUTS)],
+        type_constraints=[
+            ("T" + str(i), ["tensor(float)", "tensor(float16)", "tensor(uint8)", "tensor(int64)"], "")
+            for i in range(len(TENSOR_INPUTS))
+        ]
+        + [("U" + str(i), ["tensor(float)", "tensor(float16)", "tensor(uint8)"], "") for i in range(4)],
+        attributes=[O.Attribute(n, O.AttrType.INT) for n in INT_ATTRS]
+        + [O.Attribute(n, O.AttrType.FLOAT) for n in FLOAT_ATTRS],
+    )
+    onnx.defs.register_schema(schema)
+
+
+# ----------------------------------------------------------------------------------------------
+# The fallback function: the reference op exported to standard ops
+
+
+class _ReferenceForExport(torch.nn.Module):
+    def __init__(self, layout: PoolLayout):
+        super().__init__()
+        self.layout = layout
+
+    def forward(self, q, k, v, codes, scales, stage, positions, seq_ids, block_tables, sinks, scale, window, softcap):
+        s = self.layout.spec
+        kg, vg = s.groups(self.layout.head_dim)
+        return reference_paged_attention(
+            q, k, v, codes, scales, stage, positions, seq_ids, block_tables, sinks, 0,
+            s.k_bits, s.v_bits, kg, vg, s.k_sym, s.v_sym, s.rotate, s.fp_tail, s.sink_blocks, scale, window, softcap,
+        )
+
+
+def _example_op_inputs(layout: PoolLayout, num_heads: int, t: int = 3):
+    codes, scales, stage = layout.allocate_layer()
+    hkv, d = layout.num_kv_heads, layout.head_dim
+    rows = stage.shape[0]
+    return (
+        torch.randn(1, num_heads, t, d), torch.randn(1, hkv, t, d), torch.randn(1, hkv, t, d),
+        codes, scales, stage, torch.arange(t), torch.zeros(t, dtype=torch.int64),
+        torch.zeros(rows, 2, dtype=torch.int64), torch.full((num_heads,), float("-inf")),
+        torch.tensor(layout.head_dim**-0.5), torch.tensor(0), torch.tensor(0.0),
+    )
+
+
+def fallback_function(layout: PoolLayout, num_heads: int) -> tuple[onnx.FunctionProto, list[onnx.FunctionProto]]:
+    """Export the reference op (T, M dynamic) and turn its graph into the FunctionProto pagedkv::OP_TYPE.
+
+    Returns (function, helper functions the body calls)."""
+    t, m = torch.export.Dim("T", min=1), torch.export.Dim("M", min=1)
+    dyn = ({2: t}, {2: t}, {2: t}, None, None, None, {0: t}, {0: t}, {1: m}, None, None, None, None)
+    prog = torch.onnx.export(
+        _ReferenceForExport(layout), _example_op_inputs(layout, num_heads), dynamo=True, dynamic_shapes=dyn,
+        opset_version=OPSET, verbose=False,
+    )
+    g = prog.model_proto.graph
+    names = [i.name for i in g.input]
+    nodes = []
+    for name, (attr, kind) in zip(names[len(TENSOR_INPUTS):], _REF_ATTRS.items()):
+        a = onnx.AttributeProto(name="value_float" if kind == onnx.AttributeProto.FLOAT else "value_int",
+                                ref_attr_name=attr, type=kind)
+        nodes.append(helper.make_node("Constant", [], [name], name=f"attr_{attr}"))
+        nodes[-1].attribute.append(a)
+    for init in g.initializer:
+        nodes.append(helper.make_node("Constant", [], [init.name], value=init))
+    nodes.extend(g.node)
+    fn = helper.make_function(
+        DOMAIN, OP_TYPE, names[: len(TENSOR_INPUTS)], [o.name for o in g.output], nodes,
+        opset_imports=list(prog.model_proto.opset_import),
+        attributes=list(INT_ATTRS) + list(FLOAT_ATTRS),
+    )
+    return fn, list(prog.model_proto.functions)
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+
+
+def _translate_op(q, k, v, codes, scales, stage, positions, seq_ids, block_tables, sinks, *scalars):
+    from onnxscript.values import Opset
+
+    custom = Opset(DOMAIN, 1)
+    attrs = {}
+    for name, value in zip(SCALAR_ARG_NAMES, scalars):
+        attrs[name] = float(value) if name in FLOAT_ATTRS else int(value)
+    return custom.QuantizedPagedAttention(
+        q, k, v, codes, scales, stage, positions, seq_ids, block_tables, sinks, _outputs=4, **attrs
+    )
+
+
+def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    pools = [f"{kind}_{i}" for i in range(num_layers) for kind in ("codes", "scales", "stage")]
+    inputs = ["input_ids", "positions", "seq_ids", "block_tables"] + pools
+    outputs = ["logits"] + [f"{p}_out" for p in pools]
+    return inputs, outputs
+
+
+def export_onnx(paged: PagedModel, path: Path, progress=None) -> dict:
+    """Write the .onnx file; returns its manifest entry (without sha256)."""
+    register_schema()
+    layout = paged.layout
+    fmodel = FunctionalPagedModel(paged).eval()
+    t, m = torch.export.Dim("T", min=1), torch.export.Dim("M", min=1)
+    pools = [x for trio in paged.pool_tensors() for x in trio]
+    example = (
+        torch.zeros(1, 3, dtype=torch.int64), torch.arange(3), torch.zeros(3, dtype=torch.int64),
+        torch.zeros(layout.max_seqs, 2, dtype=torch.int64), *pools,
+    )
+    dyn = ({1: t}, {0: t}, {0: t}, {1: m}, tuple(None for _ in pools))  # *pools is one varargs entry
+    inputs, outputs = io_names(layout.num_layers)
+    t0 = time.time()
+    with torch.no_grad():
+        # torch.export first (torch.onnx mangles the varargs structure of dynamic_shapes)
+        exported = torch.export.export(fmodel, example, dynamic_shapes=dyn, strict=False)
+        prog = torch.onnx.export(
+            exported, dynamo=True, opset_version=OPSET, input_names=inputs, output_names=outputs,
+            custom_translation_table={
+                torch.ops.pagedkv.quantized_paged_attention_functional.default: _translate_op
+            }, optimize=True, verbose=False,
+        )
+    model = prog.model_proto
+    if progress:
+        progress(f"graph exported in {time.time() - t0:.0f}s; building the standard-op fallback")
+    fn, extra = fallback_function(layout, paged.dims.num_heads)
+    have = {(f.domain, f.name) for f in model.functions}
+    for f in [fn] + extra:
+        if (f.domain, f.name) not in have:
+            model.functions.append(f)
+    for imp in fn.opset_import:
+        if imp.domain not in {o.domain for o in model.opset_import}:
+            model.opset_import.append(imp)
+    if DOMAIN not in {o.domain for o in model.opset_import}:
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    path = Path(path)
+    onnx.save_model(model, str(path))
+    return {"file": path.name, "inputs": inputs, "outputs": outputs}
