@@ -1,0 +1,116 @@
+"""ExecuTorch export: the compiled model with its pools as mutable buffers, linears on XNNPACK.
+
+torch.export -> to_edge_transform_and_lower(XnnpackPartitioner) -> to_executorch. The in-place op
+mutates the pool buffers, so each step writes K/V straight into the pool (no copies). Memory
+planning puts each group of layers' pool tensors into its own memory arena (mem_id 2, 3, ...), so
+the runtime allocates the pool as several buffers, none larger than the manifest says, instead of
+one big block; everything else (activations) stays in arena 1.
+
+Weights: "fp32", or "8da4w" (int8 dynamic activations, int4 grouped weights through torchao, the
+scheme ExecuTorch's own LLM export uses; XNNPACK runs it).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from toolkit.compiler import PagedModel
+from toolkit.errors import PagedKVError
+
+POOL_BUFFER_PREFIXES = ("codes_", "scales_", "stage_")
+
+
+def _quantize_8da4w(model: torch.nn.Module, group_size: int = 32) -> None:
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization.granularity import PerGroup
+
+    quantize_(
+        model,
+        Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size)),
+        filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and m.in_features % group_size == 0,
+    )
+
+
+class PoolArenas:
+    """A memory-planning algorithm: pool buffers of layer i go to arena 2 + i // layers_per_arena,
+    then ExecuTorch's default algorithms plan every tensor as usual."""
+
+    def __init__(self, num_layers: int, layers_per_arena: int):
+        from executorch.exir.memory_planning import MemoryPlanningAlgorithmSuite
+
+        self.num_layers = num_layers
+        self.layers_per_arena = max(1, layers_per_arena)
+        self.suite = MemoryPlanningAlgorithmSuite()
+        self.__name__ = "pagedkv_pool_arenas"
+
+    def arena_of(self, fqn: str) -> int | None:
+        name = fqn.rsplit(".", 1)[-1]
+        for prefix in POOL_BUFFER_PREFIXES:
+            if name.startswith(prefix):
+                return 2 + int(name[len(prefix):]) // self.layers_per_arena
+        return None
+
+    def __call__(self, alignment, specs, graph_module, graph_signature, extra_padding=0):
+        from executorch.exir.memory_planning import get_node_tensor_specs
+
+        by_name = dict(graph_signature.inputs_to_buffers) if graph_signature else {}
+        for node in graph_module.graph.nodes:
+            if node.op == "placeholder" and node.target in by_name:
+                arena = self.arena_of(by_name[node.target])
+                if arena is not None:
+                    for spec in get_node_tensor_specs(node):
+                        spec.mem_id = arena
+        return self.suite(alignment, specs, graph_module, graph_signature, extra_padding)
+
+
+def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_arena: int = 1,
+               max_tokens: int = 128, progress=None) -> dict:
+    """Write the .pte; returns its manifest entry (without sha256)."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes import MemoryPlanningPass
+
+    layout = paged.layout
+    if weights == "8da4w":
+        _quantize_8da4w(paged.hf)
+    elif weights != "fp32":
+        raise PagedKVError(f"weights '{weights}' cannot be exported to .pte: use fp32 or 8da4w.")
+    max_blocks = max(1, min(layout.num_blocks, layout.capacity_tokens // layout.block_size))
+    t = torch.export.Dim("T", min=1, max=max_tokens)
+    m = torch.export.Dim("M", min=1, max=max_blocks)
+    example = (
+        torch.zeros(1, 2, dtype=torch.int64), torch.arange(2), torch.zeros(2, dtype=torch.int64),
+        torch.zeros(layout.max_seqs, 2, dtype=torch.int64),
+    )
+    dyn = ({1: t}, {0: t}, {0: t}, {1: m})
+    t0 = time.time()
+    with torch.no_grad():
+        exported = torch.export.export(paged, example, dynamic_shapes=dyn, strict=False)
+    if progress:
+        progress(f"torch.export done in {time.time() - t0:.0f}s; lowering to XNNPACK")
+    t0 = time.time()
+    edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
+    if progress:
+        progress(f"lowered in {time.time() - t0:.0f}s; planning memory")
+    arenas = PoolArenas(layout.num_layers, layers_per_arena)
+    et = edge.to_executorch(
+        ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(memory_planning_algo=arenas))
+    )
+    path = Path(path)
+    path.write_bytes(et.buffer)
+    sizes = list(et.executorch_program.execution_plan[0].non_const_buffer_sizes)
+    return {
+        "file": path.name,
+        "weights": weights,
+        "inputs": ["input_ids", "positions", "seq_ids", "block_tables"],
+        "outputs": ["logits"],
+        "max_tokens_per_call": max_tokens,
+        "max_blocks_per_seq": max_blocks,
+        "layers_per_arena": arenas.layers_per_arena,
+        # non_const_buffer_sizes[0] is reserved; [1] activations; [2..] one per group of layers' pools
+        "arena_bytes": sizes[1:],
+        "largest_arena_bytes": max(sizes[1:]) if len(sizes) > 1 else 0,
+    }
