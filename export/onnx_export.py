@@ -176,3 +176,17 @@ def export_onnx(paged: PagedModel, path: Path, progress=None) -> dict:
     path = Path(path)
     onnx.save_model(model, str(path))
     return {"file": path.name, "inputs": inputs, "outputs": outputs}
+
+
+def quantize_weights_int4(path: Path, block_size: int = 32) -> None:
+    """Rewrite the .onnx in place with MatMul weights as int4 MatMulNBits (onnxruntime's quantizer)."""
+    import logging
+
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    model = onnx.load(str(path))
+    quant = MatMulNBitsQuantizer(model, block_size=block_size, is_symmetric=True, accuracy_level=4)
+    quant.process()
+    onnx.save_model(quant.model.model, str(path))

@@ -85,6 +85,8 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.conversations: dict[int, Conversation] = {}
         self.counters = Counters()
+        self.stop_ids: tuple[int, ...] = ()
+        self.manifest: dict | None = None
         self._next_id = 0
 
     # -- conversations -------------------------------------------------------------------------

@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from pathlib import Path
+from typing import Optional
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -56,6 +58,206 @@ def specs():
         b = bytes_per_token(spec, 1, 64)
         table.add_row(name, spec.describe(), str(b), f"{b / fp16_bytes_per_token(1, 64):.3f}x")
     Console().print(table)
+
+
+@app.command("eval")
+@friendly_errors
+def eval_(
+    model: str = typer.Argument(..., help="HF model dir (config.json + *.safetensors), a .gguf file, or 'smollm2'."),
+    text: str = typer.Option(..., "--text", help="UTF-8 text file to evaluate on (e.g. wikitext-2 wiki.test.raw)."),
+    ctx: int = typer.Option(..., "--ctx", help="Tokens per window (one paged call each)."),
+    windows: int = typer.Option(1, "--windows", help="Consecutive non-overlapping windows from the start of the text."),
+    spec: list[str] = typer.Option(
+        None, "--spec", help="KV spec to compare (repeatable): a preset name or PRESET:field=value,... "
+        "Default: fp16 q8_0-q4_0 et-int8 default best k4v4.",
+    ),
+    block_size: int = typer.Option(16, "--block-size", help="Pool block size (16 or 32)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of a table."),
+):
+    """Fidelity of KV specs vs the unquantized pool: PPL, KL divergence, top-1 agreement (teacher-forced)."""
+    import json
+    from pathlib import Path
+
+    from toolkit.errors import ArtifactError
+    from toolkit.fidelity import DEFAULT_SPECS, evaluate, rich_table
+    from toolkit.model_loading import load_model
+
+    text = Path(text)
+    if not text.is_file():
+        raise ArtifactError(f"text file {text} does not exist: pass --text FILE with a UTF-8 text.")
+    try:
+        content = text.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"cannot read {text} as UTF-8 text: {e}") from e
+    hf_model, tokenizer = load_model(model)
+    result = evaluate(hf_model, tokenizer, content, ctx, list(spec or DEFAULT_SPECS), windows, block_size, model_name=model)
+    if as_json:
+        print(json.dumps(result))
+    else:
+        Console().print(rich_table(result, f"{model}: ctx {ctx}, {windows} window(s), reference fp32 pool"))
+
+
+SPEC_HELP = "KV spec preset (see `pagedkv specs`): default, best, k4v4, fp16, fp32, q8_0-q4_0, et-int8."
+
+
+def _spec_from_options(spec: str, k_bits, v_bits, group, rotate):
+    from toolkit.quant import resolve_spec
+
+    s = resolve_spec(spec)
+    changes = {}
+    if k_bits is not None:
+        changes["k_bits"] = k_bits
+    if v_bits is not None:
+        changes["v_bits"] = v_bits
+    if group is not None:
+        changes.update(k_group=group, v_group=group)
+    if rotate is not None:
+        changes["rotate"] = rotate
+    return s.replace(**changes) if changes else s
+
+
+@app.command("export")
+@friendly_errors
+def export_cmd(
+    model: str = typer.Argument("smollm2", help="HF model dir, a .gguf file, or 'smollm2' (the default model)."),
+    out: Path = typer.Option(Path("artifacts/smollm2"), "--out", "-o", help="Artifacts directory to write."),
+    format: str = typer.Option("onnx", "--format", "-f", help="onnx, pte or all."),
+    spec: str = typer.Option("default", help=SPEC_HELP),
+    k_bits: Optional[int] = typer.Option(None, help="Override the spec's K bits (2..8, or 16/32 with --v-bits)."),
+    v_bits: Optional[int] = typer.Option(None, help="Override the spec's V bits."),
+    group: Optional[int] = typer.Option(None, help="Override K and V group size (must divide head_dim)."),
+    rotate: Optional[bool] = typer.Option(None, "--rotate/--no-rotate", help="Hadamard rotation of K/Q and V."),
+    block_size: int = typer.Option(16, help="Tokens per block: 16 or 32."),
+    pool_tokens: Optional[int] = typer.Option(None, help="Pool capacity in tokens (default 2048)."),
+    pool_mb: Optional[float] = typer.Option(None, help="Pool size in MiB (instead of --pool-tokens)."),
+    max_seqs: int = typer.Option(4, help="Conversations that can hold blocks at the same time."),
+    onnx_weights: str = typer.Option("fp32", help="ONNX weights: fp32 or int4 (MatMulNBits)."),
+    pte_weights: str = typer.Option("fp32", help="ExecuTorch weights: fp32 or 8da4w (torchao, XNNPACK)."),
+    max_tokens_per_call: int = typer.Option(64, help="Largest prefill chunk the .pte accepts."),
+):
+    """Compile MODEL's attention to the paged op and export it (ONNX and/or ExecuTorch .pte)."""
+    from export.artifacts import PoolRequest, export_artifacts
+
+    formats = ("onnx", "pte") if format == "all" else (format,)
+    s = _spec_from_options(spec, k_bits, v_bits, group, rotate)
+    man = export_artifacts(
+        model, out, formats, s, PoolRequest(pool_tokens, pool_mb, max_seqs, block_size),
+        onnx_weights=onnx_weights, pte_weights=pte_weights, max_tokens_per_call=max_tokens_per_call,
+    )
+    pool = man["pool"]
+    console.print(
+        f"[green]exported[/] {', '.join(man['artifacts'])} to {out}: pool {pool['num_blocks']} blocks x "
+        f"{pool['block_size']} tokens, {pool['bytes_per_token']} B/token, largest allocation "
+        f"{pool['largest_allocation_bytes'] / 2**20:.2f} MiB"
+    )
+
+
+def _sampling(temperature, top_k, top_p, seed):
+    from runtime_sim.engine import Sampling
+
+    return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+
+@app.command()
+@friendly_errors
+def run(
+    artifacts: Path = typer.Argument(..., help="Directory written by `pagedkv export`."),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="User message."),
+    backend: str = typer.Option("onnxruntime", help="onnxruntime, executorch or torch."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n"),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_k: int = typer.Option(0),
+    top_p: float = typer.Option(1.0),
+    seed: Optional[int] = typer.Option(None),
+    native: Optional[bool] = typer.Option(None, "--native/--fallback",
+                                          help="ORT: use the native kernel library (default: if built)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object (text + stats) instead."),
+):
+    """Answer one prompt with the exported model, streaming the text, then print pool stats."""
+    import json as _json
+
+    from runtime_sim.chat import ChatSession
+    from runtime_sim.session import open_artifacts
+
+    engine = open_artifacts(artifacts, backend, native=native)
+    chat = ChatSession(engine)
+    pieces = []
+    for piece in chat.send(prompt, max_new_tokens, _sampling(temperature, top_k, top_p, seed)):
+        pieces.append(piece)
+        if not json_out:
+            print(piece, end="", flush=True)
+    stats = engine.stats()
+    if json_out:
+        print(_json.dumps({"text": "".join(pieces), "stats": stats}))
+    else:
+        print()
+        _print_stats(stats)
+
+
+def _print_stats(stats: dict):
+    console.print(
+        f"[dim]blocks used {stats['used_blocks']}/{stats['total_blocks']}, KV in use "
+        f"{stats['kv_bytes_in_use'] / 2**10:.1f} KiB, utilization {stats['utilization']:.2f}, "
+        f"internal fragmentation {stats['internal_fragmentation']:.2f}, prefill {stats['prefill_tok_s']:.1f} tok/s, "
+        f"decode {stats['decode_tok_s']:.1f} tok/s[/]"
+    )
+
+
+@app.command()
+@friendly_errors
+def chat(
+    artifacts: Path = typer.Argument(..., help="Directory written by `pagedkv export`."),
+    backend: str = typer.Option("onnxruntime", help="onnxruntime, executorch or torch."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
+    temperature: float = typer.Option(0.0),
+    top_k: int = typer.Option(0),
+    top_p: float = typer.Option(1.0),
+    seed: Optional[int] = typer.Option(None),
+    system: Optional[str] = typer.Option(None, help="System prompt."),
+):
+    """Interactive chat. Commands: /clear (free this chat's blocks), /stats, /new (another chat), /quit."""
+    from runtime_sim.chat import ChatSession
+    from runtime_sim.session import open_artifacts
+
+    engine = open_artifacts(artifacts, backend)
+    sessions = [ChatSession(engine, system)]
+    cur = sessions[0]
+    sampling = _sampling(temperature, top_k, top_p, seed)
+    console.print("[dim]type a message; /clear /stats /new /quit[/]")
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line == "/quit":
+            break
+        if line == "/clear":
+            cur.clear()
+            print("[cleared]")
+            continue
+        if line == "/stats":
+            _print_stats(engine.stats())
+            continue
+        if line == "/new":
+            try:
+                cur = ChatSession(engine, system)
+            except PagedKVError as e:
+                console.print(f"[red]{e}[/]")
+                continue
+            sessions.append(cur)
+            print(f"[conversation {len(sessions)}]")
+            continue
+        try:
+            for piece in cur.send(line, max_new_tokens, sampling):
+                print(piece, end="", flush=True)
+            print()
+        except PagedKVError as e:
+            print()
+            console.print(f"[red]{e}[/]")
+
 
 
 def main():
