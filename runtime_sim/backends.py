@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from toolkit.compiler import PagedModel
+from toolkit.errors import KernelLibraryMissing
 
 
 class TorchBackend:
@@ -57,8 +58,12 @@ class OrtBackend:
         if native is not False:
             from toolkit import native as native_lib
 
-            if native is None:
-                native = native_lib.ort_library_path(required=False) is not None
+            if native is None:  # use the kernel when it has been built
+                try:
+                    native_lib.ort_library_path()
+                    native = True
+                except KernelLibraryMissing:
+                    native = False
         if native:
             so.register_custom_ops_library(str(native_lib.ort_library_path()))
             self.native = True
