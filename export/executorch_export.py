@@ -78,7 +78,8 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
         _quantize_8da4w(paged.hf)
     elif weights != "fp32":
         raise PagedKVError(f"weights '{weights}' cannot be exported to .pte: use fp32 or 8da4w.")
-    max_blocks = max(1, min(layout.num_blocks, layout.capacity_tokens // layout.block_size))
+    # block tables can be wider than the pool when the sliding policy leaves holes (-1) behind
+    max_blocks = max(layout.num_blocks, 4096)
     t = torch.export.Dim("T", min=1, max=max_tokens)
     m = torch.export.Dim("M", min=1, max=max_blocks)
     example = (

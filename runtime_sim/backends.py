@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from toolkit.compiler import PagedModel
-from toolkit.errors import KernelLibraryMissing
+from toolkit.errors import KernelLibraryMissing, PagedKVError
 
 
 class TorchBackend:
@@ -99,3 +99,45 @@ class OrtBackend:
             a = self.arrays[3 * i + 2]
             if a.shape[0] > 1:
                 a[dst_seq] = a[src_seq]
+
+
+class ExecuTorchBackend:
+    """The exported .pte on the ExecuTorch runtime (portable_lib) with the pagedkv kernel library.
+
+    The pool lives in the program's mutable buffers (one memory arena per layer); the runtime
+    allocates those arenas when the program loads and the op updates them in place every step."""
+
+    name = "executorch"
+
+    def __init__(self, pte_path, layout, entry: dict):
+        import torch  # noqa: F401  (portable_lib needs torch's libraries loaded)
+
+        from toolkit.native import load_executorch_kernels
+
+        load_executorch_kernels()
+        from executorch.extension.pybindings.portable_lib import _load_for_executorch
+
+        self.layout = layout
+        self.max_tokens = int(entry.get("max_tokens_per_call", 64))
+        self.module = _load_for_executorch(str(pte_path))
+
+    def forward(self, ids, positions, seq_ids, tables) -> np.ndarray:
+        if len(ids) > self.max_tokens:
+            raise PagedKVError(
+                f"{len(ids)} tokens in one call, the .pte accepts at most {self.max_tokens}: lower the prefill "
+                "chunk or re-export with a larger --max-tokens-per-call."
+            )
+        out = self.module.forward(
+            (torch.from_numpy(ids)[None], torch.from_numpy(positions), torch.from_numpy(seq_ids),
+             torch.from_numpy(tables))
+        )
+        return out[0][0].numpy()
+
+    def copy_block(self, src: int, dst: int) -> None:
+        raise PagedKVError(
+            "copy-on-write (fork of a conversation with a partial last block) is not available on the "
+            "executorch backend: the pool lives inside the program's buffers. Use the onnxruntime backend."
+        )
+
+    def copy_stage(self, src_seq: int, dst_seq: int) -> None:
+        self.copy_block(src_seq, dst_seq)

@@ -64,8 +64,10 @@ def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
 @dataclass
 class Conversation:
     seq: int  # pool sequence slot
-    history: list[int] = field(default_factory=list)  # tokens in the cache
-    pending: list[int] = field(default_factory=list)  # generated, not yet fed (goes first next turn)
+    history: list[int] = field(default_factory=list)  # tokens in the cache (positions 0..len-1)
+    pending: list[int] = field(default_factory=list)  # not in the cache yet: fed first on the next turn
+    last_used: int = 0  # engine clock of the last step that touched this conversation
+    evictions: int = 0
 
 
 @dataclass
@@ -76,8 +78,25 @@ class Counters:
     decode_seconds: float = 0.0
 
 
+POLICIES = ("error", "evict", "sliding")
+
+
 class Engine:
-    def __init__(self, backend: Backend, tokenizer=None, prefill_chunk: int = 64):
+    """policy decides what happens when the pool is full:
+    - "error": PoolExhausted, nothing changed; the conversation stays usable after a clear.
+    - "evict": the least-recently-used other conversation loses its blocks (its tokens are kept and
+      re-prefilled on its next turn).
+    - "sliding": the conversation drops its oldest blocks after the first `sink_blocks` (positions
+      stay as they are), so a chat can go on for ever in a fixed pool.
+    """
+
+    def __init__(self, backend: Backend, tokenizer=None, prefill_chunk: int = 64, policy: str = "error",
+                 sink_blocks: int = 1):
+        if policy not in POLICIES:
+            raise PagedKVError(f"unknown pool policy '{policy}': use one of {', '.join(POLICIES)}.")
+        self.policy = policy
+        self.sink_blocks = sink_blocks
+        self.clock = 0
         self.backend = backend
         self.tokenizer = tokenizer
         lay = backend.layout
@@ -135,9 +154,57 @@ class Engine:
             tables[seq, : len(row)] = row
         return tables
 
+    def _make_room(self, items: list[tuple[Conversation, list[int]]]) -> None:
+        """Apply the pool policy until every item's reserve will succeed, or raise PoolExhausted."""
+        active = {id(c) for c, _ in items}
+        while True:
+            need = sum(self.pool.blocks_needed(c.seq, len(t)) for c, t in items)
+            free = self.pool.num_free_blocks
+            if need <= free:
+                return
+            if self.policy == "evict" and self._evict_one(active):
+                continue
+            if self.policy == "sliding" and self._slide(items):
+                continue
+            what = f"{sum(len(t) for _, t in items)} new token(s)"
+            if self.policy != "error":
+                what += f" (policy '{self.policy}' found nothing more to free)"
+            raise PoolExhausted(need, free, what)
+
+    def _evict_one(self, active: set[int]) -> bool:
+        idle = [c for c in self.conversations.values()
+                if id(c) not in active and self.pool.length(c.seq) > 0]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: c.last_used)
+        tokens = victim.history + victim.pending
+        self.pool.release(victim.seq)
+        victim.seq = self.pool.new_sequence()
+        victim.history, victim.pending = [], tokens  # re-prefilled on its next turn
+        victim.evictions += 1
+        return True
+
+    def _slide(self, items: list[tuple[Conversation, list[int]]]) -> bool:
+        """Drop the oldest droppable block of the item holding the most blocks."""
+        bs = self.pool.block_size
+        best = None
+        for conv, _ in items:
+            table = self.pool.block_table(conv.seq)
+            full = self.pool.length(conv.seq) // bs
+            live = [i for i in range(self.sink_blocks, full) if table[i] >= 0]
+            if live and (best is None or len(live) > best[1]):
+                best = (conv, len(live), live[0])
+        if best is None:
+            return False
+        self.pool.drop_blocks(best[0].seq, [best[2]])
+        return True
+
     def _run(self, items: list[tuple[Conversation, list[int]]]) -> list[np.ndarray]:
         """Write tokens for several conversations in one call; returns each one's last logits."""
-        for conv, toks in items:  # reserve all first: a PoolExhausted leaves every table unchanged
+        self._make_room(items)
+        self.clock += 1
+        for conv, toks in items:
+            conv.last_used = self.clock
             for src, dst in self.pool.reserve(conv.seq, len(toks)):
                 self.backend.copy_block(src, dst)
         ids, pos, seqs = [], [], []
@@ -164,11 +231,8 @@ class Engine:
         if not token_ids:
             raise PagedKVError("empty prompt: give at least one token.")
         token_ids = conv.pending + list(token_ids)
-        need = -(-(self.pool.length(conv.seq) + len(token_ids)) // self.pool.block_size) - len(
-            self.pool.block_table(conv.seq)
-        )
-        if need > self.pool.num_free_blocks:  # check the whole prompt up front: no half-prefilled turn
-            raise PoolExhausted(need, self.pool.num_free_blocks, f"a prompt of {len(token_ids)} tokens")
+        if self.policy != "sliding":  # room for the whole prompt up front: no half-prefilled turn
+            self._make_room([(conv, token_ids)])
         conv.pending = []
         t0 = time.perf_counter()
         for a in range(0, len(token_ids), self.prefill_chunk):

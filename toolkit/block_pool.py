@@ -205,17 +205,10 @@ class BlockPool:
         about to be written (after fork) is copied-on-write into a fresh block.
         """
         s = self._get(seq)
-        if not isinstance(n_new_tokens, int) or n_new_tokens < 0:
-            raise PagedKVError(f"n_new_tokens {n_new_tokens!r} is invalid: pass a count >= 0")
-        bs = self.block_size
+        cow, grow = self._growth(s, n_new_tokens)
         target = s.length + n_new_tokens
         if n_new_tokens == 0:
             return []
-        # blocks that the coming writes touch and that already exist but are shared
-        first_write = s.length // bs
-        cow = [i for i in range(first_write, min(len(s.blocks), _cdiv(target, bs)))
-               if self._refcount[s.blocks[i]] > 1]
-        grow = max(0, _cdiv(target, bs) - len(s.blocks))
         needed = len(cow) + grow
         if needed > len(self._free):
             raise PoolExhausted(needed, len(self._free),
@@ -231,6 +224,23 @@ class BlockPool:
             s.blocks.append(self._allocate())
         s.reserved = max(s.reserved, target)
         return copies
+
+    def blocks_needed(self, seq: int, n_new_tokens: int) -> int:
+        """Free blocks reserve(seq, n_new_tokens) would take (new blocks + copy-on-write copies)."""
+        cow, grow = self._growth(self._get(seq), n_new_tokens)
+        return len(cow) + grow
+
+    def _growth(self, s: _Seq, n_new_tokens: int) -> tuple[list[int], int]:
+        if not isinstance(n_new_tokens, int) or n_new_tokens < 0:
+            raise PagedKVError(f"n_new_tokens {n_new_tokens!r} is invalid: pass a count >= 0")
+        bs = self.block_size
+        target = s.length + n_new_tokens
+        if n_new_tokens == 0:
+            return [], 0
+        # blocks that the coming writes touch and that already exist but are shared
+        cow = [i for i in range(s.length // bs, min(len(s.blocks), _cdiv(target, bs)))
+               if self._refcount[s.blocks[i]] > 1]
+        return cow, max(0, _cdiv(target, bs) - len(s.blocks))
 
     def commit(self, seq: int, token_ids: list[int]) -> None:
         """Advance seq by the tokens the runtime wrote; register every block that became full."""
