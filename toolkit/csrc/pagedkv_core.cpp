@@ -346,7 +346,8 @@ class ThreadPool {
     for (auto& th : threads_) th.join();
     threads_.clear();
     stop_ = false;
-    for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { loop(); });
+    const uint64_t g = gen_;
+    for (int i = 0; i < workers; ++i) threads_.emplace_back([this, g] { loop(g); });
   }
   int workers() const { return (int)threads_.size(); }
 
@@ -379,8 +380,7 @@ class ThreadPool {
       (*fn_)(i);
     }
   }
-  void loop() {
-    uint64_t seen = gen_;
+  void loop(uint64_t seen) {
     for (;;) {
       {
         std::unique_lock<std::mutex> lk(m_);

@@ -1,0 +1,317 @@
+"""The native kernels (ORT custom op, ExecuTorch kernel) against reference_paged_attention.
+
+Needs the libraries from `make native`; the tests skip when they are missing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from toolkit import native
+from toolkit.errors import KernelLibraryMissing
+from toolkit.paged_attention import SCALAR_ARG_NAMES, reference_paged_attention
+from toolkit.quant import PRESETS, KVQuantSpec
+
+try:
+    ORT_LIB = native.ort_library_path()
+except KernelLibraryMissing:
+    ORT_LIB = None
+try:
+    ET_LIB = native.et_library_path()
+except KernelLibraryMissing:
+    ET_LIB = None
+
+needs_ort = pytest.mark.skipif(ORT_LIB is None, reason="libpagedkv_ort.so not built (make native)")
+needs_et = pytest.mark.skipif(ET_LIB is None, reason="libpagedkv_et.so not built (make native)")
+
+FLOAT_DTYPES = {32: torch.float32, 16: torch.float16}
+
+
+# ------------------------------------------------------------------------------------------------
+# scenario: a pool + block tables + a list of calls (prefill chunks and decode steps, mixed)
+
+
+class Scenario:
+    def __init__(self, spec: KVQuantSpec, hq, hkv, d, bs, lens, chunk, window=0, softcap=0.0, sinks=False,
+                 holes=False, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        rnd = random.Random(seed)
+        self.spec, self.hq, self.hkv, self.d, self.bs = spec, hq, hkv, d, bs
+        self.window, self.softcap = window, softcap
+        self.n_seq = len(lens)
+        self.m = max(math.ceil(n / bs) for n in lens) + 1
+        self.nb = self.n_seq * self.m + 2
+        kg, vg = spec.groups(d)
+        if spec.is_float:
+            cw, sw, cdt = 2 * d, None, FLOAT_DTYPES[spec.k_bits]
+        else:
+            cw = d * spec.k_bits // 8 + d * spec.v_bits // 8
+            sw = (d // kg) * (1 if spec.k_sym else 2) + (d // vg) * (1 if spec.v_sym else 2)
+            cdt = torch.uint8
+        self.codes = torch.zeros(self.nb, hkv, bs, cw, dtype=cdt)
+        self.scales = torch.zeros((self.nb, hkv, bs, sw) if sw else (1, 1, 1, 1), dtype=torch.float16)
+        uses_stage = not spec.is_float and (spec.fp_tail or spec.sink_blocks)
+        self.stage = torch.zeros(self.n_seq if uses_stage else 1, 2, 2, hkv, bs, d, dtype=torch.float16)
+        ids = list(range(self.nb))
+        rnd.shuffle(ids)
+        self.tables = torch.tensor(ids[: self.n_seq * self.m]).reshape(self.n_seq, self.m).to(torch.int64)
+        self.sinks = (torch.randn(hq, generator=g) if sinks else torch.full((hq,), float("-inf"))).float()
+        self.scale = 1.0 / math.sqrt(d)
+        # calls: every call takes the next chunk (1..chunk tokens) of some unfinished sequences
+        done = [0] * self.n_seq
+        self.calls = []
+        while any(done[s] < lens[s] for s in range(self.n_seq)):
+            pos, seq = [], []
+            for s in range(self.n_seq):
+                if done[s] < lens[s] and rnd.random() < 0.7:
+                    n = min(lens[s] - done[s], rnd.randint(1, chunk))
+                    pos += list(range(done[s], done[s] + n))
+                    seq += [s] * n
+                    done[s] += n
+            if not pos:
+                continue
+            t = len(pos)
+            self.calls.append(dict(
+                q=torch.randn(1, hq, t, d, generator=g), k=torch.randn(1, hkv, t, d, generator=g) * 2,
+                v=torch.randn(1, hkv, t, d, generator=g), positions=torch.tensor(pos, dtype=torch.int64),
+                seq_ids=torch.tensor(seq, dtype=torch.int64), holes=holes))
+
+    def scalars(self, layer=3):
+        s = self.spec
+        kg, vg = s.groups(self.d)  # the op takes resolved group sizes
+        return dict(layer=layer, k_bits=s.k_bits, v_bits=s.v_bits, k_group=kg, v_group=vg,
+                    k_sym=s.k_sym, v_sym=s.v_sym, rotate=s.rotate, fp_tail=s.fp_tail, sink_blocks=s.sink_blocks,
+                    scale=self.scale, window=self.window, softcap=self.softcap)
+
+    def tables_for(self, call):
+        t = self.tables.clone()
+        if call["holes"] and self.window > 0:
+            # blocks wholly outside every query's window were freed by a sliding policy: holes
+            for s in range(self.n_seq):
+                sel = call["seq_ids"] == s
+                if sel.any():
+                    lo = int(call["positions"][sel].min()) - self.window + 1
+                    for b in range(self.m):
+                        if (b + 1) * self.bs <= lo and not (b == 0 and self.spec.sink_blocks):
+                            t[s, b] = -1
+        return t
+
+
+def _args(sc, call, codes, scales, stage, tables):
+    return (call["q"], call["k"], call["v"], codes, scales, stage, call["positions"], call["seq_ids"], tables,
+            sc.sinks, *sc.scalars().values())
+
+
+def _assert_pools(name, got, want):
+    for what, a, b in zip(("codes", "scales", "stage"), got, want):
+        a = torch.as_tensor(a)
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {what} dtype/shape"
+        if a.dtype == torch.uint8:
+            assert torch.equal(a, b), f"{name}: {what} differ at {(a != b).nonzero()[:5].tolist()}"
+        else:
+            assert torch.equal(a.view(torch.int16 if a.dtype == torch.float16 else torch.int32),
+                               b.view(torch.int16 if b.dtype == torch.float16 else torch.int32)), f"{name}: {what} differ"
+
+
+def _assert_out(name, got, want):
+    got = torch.as_tensor(got)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=lambda m: f"{name}: {m}")
+
+
+# ------------------------------------------------------------------------------------------------
+# ORT
+
+
+def _ort_session(sc: Scenario):
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    cdt = {torch.uint8: TensorProto.UINT8, torch.float16: TensorProto.FLOAT16, torch.float32: TensorProto.FLOAT}
+    inputs = [
+        helper.make_tensor_value_info("q", TensorProto.FLOAT, [1, sc.hq, "T", sc.d]),
+        helper.make_tensor_value_info("k", TensorProto.FLOAT, [1, sc.hkv, "T", sc.d]),
+        helper.make_tensor_value_info("v", TensorProto.FLOAT, [1, sc.hkv, "T", sc.d]),
+        helper.make_tensor_value_info("codes", cdt[sc.codes.dtype], list(sc.codes.shape)),
+        helper.make_tensor_value_info("scales", TensorProto.FLOAT16, list(sc.scales.shape)),
+        helper.make_tensor_value_info("stage", TensorProto.FLOAT16, list(sc.stage.shape)),
+        helper.make_tensor_value_info("positions", TensorProto.INT64, ["T"]),
+        helper.make_tensor_value_info("seq_ids", TensorProto.INT64, ["T"]),
+        helper.make_tensor_value_info("block_tables", TensorProto.INT64, list(sc.tables.shape)),
+        helper.make_tensor_value_info("sinks", TensorProto.FLOAT, [sc.hq]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, "T", sc.hq, sc.d]),
+        helper.make_tensor_value_info("codes_out", cdt[sc.codes.dtype], list(sc.codes.shape)),
+        helper.make_tensor_value_info("scales_out", TensorProto.FLOAT16, list(sc.scales.shape)),
+        helper.make_tensor_value_info("stage_out", TensorProto.FLOAT16, list(sc.stage.shape)),
+    ]
+    attrs = {k: (float(v) if isinstance(v, float) else int(v)) for k, v in sc.scalars().items()}
+    node = helper.make_node("QuantizedPagedAttention", [i.name for i in inputs], [o.name for o in outputs],
+                            domain="pagedkv", **attrs)
+    graph = helper.make_graph([node], "qpa", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("pagedkv", 1)])
+    model.ir_version = 10
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(ORT_LIB)
+    so.intra_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _run_ort(sc: Scenario, sess=None):
+    sess = sess or _ort_session(sc)
+    pools = [sc.codes.numpy().copy(), sc.scales.numpy().copy(), sc.stage.numpy().copy()]
+    ref_pools = (sc.codes.clone(), sc.scales.clone(), sc.stage.clone())
+    for i, call in enumerate(sc.calls):
+        tables = sc.tables_for(call)
+        want = reference_paged_attention(*_args(sc, call, *ref_pools, tables))
+        feed = dict(q=call["q"].numpy(), k=call["k"].numpy(), v=call["v"].numpy(), codes=pools[0], scales=pools[1],
+                    stage=pools[2], positions=call["positions"].numpy(), seq_ids=call["seq_ids"].numpy(),
+                    block_tables=tables.numpy(), sinks=sc.sinks.numpy())
+        out, *pools = sess.run(None, feed)
+        _assert_out(f"ort call {i}", out, want[0])
+        _assert_pools(f"ort call {i}", [torch.from_numpy(p) for p in pools], want[1:])
+        ref_pools = want[1:]
+
+
+SPECS = ["default", "fp32", "fp16", "q8_0-q4_0", "et-int8", "k4v4", "best"]
+
+
+@needs_ort
+@pytest.mark.parametrize("spec", SPECS)
+def test_ort_presets(spec):
+    sc = Scenario(PRESETS[spec], hq=8, hkv=2, d=64, bs=16, lens=[45, 1, 33], chunk=20, sinks=True, seed=1)
+    _run_ort(sc)
+
+
+@needs_ort
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    spec=st.sampled_from(SPECS),
+    hkv=st.sampled_from([1, 2]),
+    ratio=st.sampled_from([1, 3, 4, 8]),
+    d=st.sampled_from([64, 128]),
+    bs=st.sampled_from([16, 32]),
+    lens=st.lists(st.integers(1, 70), min_size=1, max_size=3),
+    chunk=st.sampled_from([1, 7, 33]),
+    window=st.sampled_from([0, 0, 5, 24]),
+    softcap=st.sampled_from([0.0, 0.0, 15.0]),
+    sinks=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_ort_random(spec, hkv, ratio, d, bs, lens, chunk, window, softcap, sinks, seed):
+    sc = Scenario(PRESETS[spec], hq=hkv * ratio, hkv=hkv, d=d, bs=bs, lens=lens, chunk=chunk, window=window,
+                  softcap=softcap, sinks=sinks, holes=window > 0, seed=seed)
+    _run_ort(sc)
+
+
+@needs_ort
+def test_ort_generic_bits():
+    for kb, vb, ks, vs in ((6, 5, True, False), (3, 2, False, True), (7, 8, True, True)):
+        spec = KVQuantSpec(kb, vb, 32, 16, ks, vs, True, True, 1)
+        _run_ort(Scenario(spec, hq=4, hkv=2, d=64, bs=16, lens=[40, 17], chunk=9, seed=kb))
+
+
+@needs_ort
+def test_ort_iobinding_in_place():
+    import onnxruntime as ort
+
+    sc = Scenario(PRESETS["default"], hq=4, hkv=2, d=64, bs=16, lens=[20], chunk=20, seed=5)
+    sess = _ort_session(sc)
+    call = sc.calls[0]
+    pools = [ort.OrtValue.ortvalue_from_numpy(t.numpy().copy()) for t in (sc.codes, sc.scales, sc.stage)]
+    ptrs = [p.data_ptr() for p in pools]
+    b = sess.io_binding()
+    for name, x in (("q", call["q"]), ("k", call["k"]), ("v", call["v"]), ("positions", call["positions"]),
+                    ("seq_ids", call["seq_ids"]), ("block_tables", sc.tables), ("sinks", sc.sinks)):
+        b.bind_cpu_input(name, x.numpy())
+    b.bind_output("out")
+    for name, p in zip(("codes", "scales", "stage"), pools):
+        b.bind_ortvalue_input(name, p)
+        b.bind_ortvalue_output(name + "_out", p)
+    sess.run_with_iobinding(b)
+    want = reference_paged_attention(*_args(sc, call, sc.codes, sc.scales, sc.stage, sc.tables))
+    _assert_out("iobinding", b.copy_outputs_to_cpu()[0], want[0])
+    assert [p.data_ptr() for p in pools] == ptrs
+    _assert_pools("iobinding", [torch.from_numpy(p.numpy()) for p in pools], want[1:])
+
+
+@needs_ort
+def test_ort_errors():
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
+
+    sc = Scenario(PRESETS["default"], hq=4, hkv=2, d=64, bs=16, lens=[20], chunk=20, seed=6)
+    sess = _ort_session(sc)
+    call = dict(q=torch.randn(1, 4, 20, 64), k=torch.randn(1, 2, 20, 64), v=torch.randn(1, 2, 20, 64),
+                positions=torch.arange(20), seq_ids=torch.zeros(20, dtype=torch.int64))
+    k = call["k"].clone()
+    k[0, 1, 7, 3] = float("nan")
+    feed = dict(q=call["q"].numpy(), k=k.numpy(), v=call["v"].numpy(), codes=sc.codes.numpy(),
+                scales=sc.scales.numpy(), stage=sc.stage.numpy(), positions=call["positions"].numpy(),
+                seq_ids=call["seq_ids"].numpy(), block_tables=sc.tables.numpy(), sinks=sc.sinks.numpy())
+    with pytest.raises((Fail, InvalidArgument), match="non-finite K .* layer 3, sequence 0, position 7"):
+        sess.run(None, feed)
+    tables = sc.tables.clone()
+    tables[0, 1] = -1
+    feed.update(k=call["k"].numpy(), block_tables=tables.numpy())
+    with pytest.raises((Fail, InvalidArgument), match="no valid block"):
+        sess.run(None, feed)
+
+
+# ------------------------------------------------------------------------------------------------
+# ExecuTorch
+
+
+class _PoolModule(torch.nn.Module):
+    def __init__(self, sc: Scenario):
+        super().__init__()
+        self.register_buffer("codes", sc.codes.clone())
+        self.register_buffer("scales", sc.scales.clone())
+        self.register_buffer("stage", sc.stage.clone())
+        self.kw = sc.scalars()
+
+    def forward(self, q, k, v, positions, seq_ids, block_tables, sinks):
+        out = torch.ops.pagedkv.quantized_paged_attention(
+            q, k, v, self.codes, self.scales, self.stage, positions, seq_ids, block_tables, sinks, *self.kw.values())
+        return out, self.codes.clone(), self.scales.clone(), self.stage.clone()
+
+
+def _et_program(sc: Scenario, max_t: int):
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    native.load_executorch_kernels()
+    mod = _PoolModule(sc)
+    c = sc.calls[0]
+    ex_args = (c["q"], c["k"], c["v"], c["positions"], c["seq_ids"], sc.tables, sc.sinks)
+    t = torch.export.Dim("T", min=1, max=max_t)
+    dyn = ({2: t}, {2: t}, {2: t}, {0: t}, {0: t}, None, None)
+    ep = torch.export.export(mod, ex_args, dynamic_shapes=dyn, strict=False)
+    prog = to_edge_transform_and_lower(ep).to_executorch()
+    program = Runtime.get().load_program(prog.buffer)
+    return program, program.load_method("forward")  # the method needs its program alive
+
+
+@needs_et
+@pytest.mark.parametrize("spec", ["default", "fp32", "q8_0-q4_0", "k4v4"])
+def test_executorch_kernel(spec):
+    sc = Scenario(PRESETS[spec], hq=6, hkv=2, d=64, bs=16, lens=[40, 3, 21], chunk=16, sinks=True,
+                  window=0, seed=11)
+    max_t = max(len(c["positions"]) for c in sc.calls)
+    _program, method = _et_program(sc, max(max_t, 2))
+    ref_pools = (sc.codes.clone(), sc.scales.clone(), sc.stage.clone())
+    for i, call in enumerate(sc.calls):
+        want = reference_paged_attention(*_args(sc, call, *ref_pools, sc.tables))
+        got = method.execute([call["q"], call["k"], call["v"], call["positions"], call["seq_ids"], sc.tables,
+                              sc.sinks])
+        _assert_out(f"et call {i}", got[0], want[0])
+        _assert_pools(f"et call {i}", got[1:], want[1:])
+        ref_pools = want[1:]

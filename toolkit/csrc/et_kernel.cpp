@@ -1,0 +1,91 @@
+// ExecuTorch kernel library: registers pagedkv::quantized_paged_attention.out (the in-place form:
+// codes/scales/stage are mutable buffers updated in place; `out` is [1, T, Hq, D] float32).
+#include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
+#include <executorch/runtime/core/exec_aten/util/tensor_util.h>
+#include <executorch/runtime/kernel/kernel_includes.h>
+#include <executorch/runtime/platform/log.h>
+
+#include <vector>
+
+#include "pagedkv_core.h"
+#include "pagedkv_host.h"
+
+namespace {
+
+using executorch::aten::ScalarType;
+using executorch::aten::Tensor;
+using executorch::runtime::Error;
+using executorch::runtime::KernelRuntimeContext;
+
+struct TensorDims {
+  int64_t d[8] = {0};
+  int n = 0;
+  explicit TensorDims(const Tensor& t) {
+    n = (int)t.dim() > 8 ? 8 : (int)t.dim();
+    for (int i = 0; i < n; ++i) d[i] = t.size(i);
+  }
+  pagedkv::Dims dims() const { return pagedkv::Dims{d, n}; }
+};
+
+Tensor& fail(KernelRuntimeContext& ctx, Tensor& out, const char* msg) {
+  ET_LOG(Error, "%s", msg);
+  ctx.fail(Error::InvalidArgument);
+  return out;
+}
+
+Tensor& quantized_paged_attention_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                                      Tensor& codes, Tensor& scales, Tensor& stage, const Tensor& positions,
+                                      const Tensor& seq_ids, const Tensor& block_tables, const Tensor& sinks,
+                                      int64_t layer, int64_t k_bits, int64_t v_bits, int64_t k_group, int64_t v_group,
+                                      bool k_sym, bool v_sym, bool rotate, bool fp_tail, int64_t sink_blocks,
+                                      double scale, int64_t window, double softcap, Tensor& out) {
+  if (q.scalar_type() != ScalarType::Float || k.scalar_type() != ScalarType::Float ||
+      v.scalar_type() != ScalarType::Float || out.scalar_type() != ScalarType::Float)
+    return fail(ctx, out, "pagedkv: q, k, v and out must be float32");
+  if (scales.scalar_type() != ScalarType::Half || stage.scalar_type() != ScalarType::Half)
+    return fail(ctx, out, "pagedkv: scales and stage must be float16");
+  if (positions.scalar_type() != ScalarType::Long || seq_ids.scalar_type() != ScalarType::Long ||
+      block_tables.scalar_type() != ScalarType::Long)
+    return fail(ctx, out, "pagedkv: positions, seq_ids and block_tables must be int64");
+  if (sinks.numel() && sinks.scalar_type() != ScalarType::Float) return fail(ctx, out, "pagedkv: sinks must be float32");
+  const ScalarType cst = codes.scalar_type();
+  const pagedkv::CodesType ct = cst == ScalarType::Byte    ? pagedkv::CodesType::kUInt8
+                                : cst == ScalarType::Half  ? pagedkv::CodesType::kFloat16
+                                : cst == ScalarType::Float ? pagedkv::CodesType::kFloat32
+                                                           : pagedkv::CodesType::kOther;
+  pagedkv::OpScalars s;
+  s.layer = layer, s.k_bits = k_bits, s.v_bits = v_bits, s.k_group = k_group, s.v_group = v_group;
+  s.k_sym = k_sym, s.v_sym = v_sym, s.rotate = rotate, s.fp_tail = fp_tail, s.sink_blocks = sink_blocks;
+  s.scale = scale, s.window = window, s.softcap = softcap;
+  char err[1024] = {0};
+  pagedkv::PagedAttnParams p;
+  TensorDims dq(q), dk(k), dv(v), dc(codes), ds(scales), dst(stage), dp(positions), di(seq_ids), dt(block_tables),
+      dsk(sinks);
+  int rc = pagedkv::params_from_shapes(dq.dims(), dk.dims(), dv.dims(), dc.dims(), ct, ds.dims(), dst.dims(), dp.dims(),
+                                       di.dims(), dt.dims(), dsk.dims(), s, &p, err, sizeof err);
+  if (rc) return fail(ctx, out, err);
+  const executorch::aten::SizesType want[4] = {1, (executorch::aten::SizesType)p.T, (executorch::aten::SizesType)p.Hq,
+                                               (executorch::aten::SizesType)p.D};
+  if (executorch::runtime::resize_tensor(out, executorch::aten::ArrayRef<executorch::aten::SizesType>(want, 4)) !=
+      Error::Ok)
+    return fail(ctx, out, "pagedkv: cannot resize out to [1, T, Hq, D]");
+  pagedkv::PagedAttnBuffers b;
+  b.q = q.const_data_ptr<float>();
+  b.k = k.const_data_ptr<float>();
+  b.v = v.const_data_ptr<float>();
+  b.codes = codes.mutable_data_ptr();
+  b.scales = static_cast<uint16_t*>(scales.mutable_data_ptr());
+  b.stage = static_cast<uint16_t*>(stage.mutable_data_ptr());
+  b.positions = positions.const_data_ptr<int64_t>();
+  b.seq_ids = seq_ids.const_data_ptr<int64_t>();
+  b.block_tables = block_tables.const_data_ptr<int64_t>();
+  b.sinks = sinks.numel() ? sinks.const_data_ptr<float>() : nullptr;
+  b.out = out.mutable_data_ptr<float>();
+  rc = pagedkv::paged_attention(p, b, err, sizeof err);
+  if (rc) return fail(ctx, out, err);
+  return out;
+}
+
+}  // namespace
+
+EXECUTORCH_LIBRARY(pagedkv, "quantized_paged_attention.out", quantized_paged_attention_out);

@@ -1,0 +1,105 @@
+"""Build and locate the native kernel libraries (toolkit/csrc): the ExecuTorch kernel library and the
+onnxruntime custom-op library.
+
+    python -m toolkit.native [--sanitize]     # or: make native
+
+Libraries land in `build_dir()` (default <repo>/build/native, override with PAGEDKV_BUILD_DIR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from toolkit.errors import KernelLibraryMissing
+
+REPO = Path(__file__).resolve().parent.parent
+CSRC = Path(__file__).resolve().parent / "csrc"
+ET_LIB = "libpagedkv_et.so"
+ORT_LIB = "libpagedkv_ort.so"
+_HINT = "run `make native` (or `python -m toolkit.native`) to build it"
+
+_et_handle: ctypes.CDLL | None = None
+
+
+def build_dir(sanitize: bool = False) -> Path:
+    base = os.environ.get("PAGEDKV_BUILD_DIR")
+    d = Path(base) if base else REPO / "build" / "native"
+    return d.with_name(d.name + "-asan") if sanitize else d
+
+
+def _cmake() -> str:
+    # the system cmake (a pip-installed cmake wrapper in the venv is not wanted here)
+    for cand in ("/usr/bin/cmake", "/usr/local/bin/cmake"):
+        if os.path.exists(cand):
+            return cand
+    found = shutil.which("cmake")
+    if not found:
+        raise KernelLibraryMissing("cmake is not installed: install cmake >= 3.20 to build the native kernels.")
+    return found
+
+
+def build(sanitize: bool = False, jobs: int | None = None, extra_args: list[str] | None = None) -> Path:
+    """Configure and build toolkit/csrc with CMake; returns the build directory."""
+    d = build_dir(sanitize)
+    d.mkdir(parents=True, exist_ok=True)
+    cmake = _cmake()
+    args = [cmake, "-S", str(CSRC), "-B", str(d), f"-DPAGEDKV_PYTHON={sys.executable}"]
+    if sanitize:
+        # the sanitized build is for the core test; the host libraries would need an ASan runtime
+        # preloaded into Python
+        args += ["-DPAGEDKV_SANITIZE=ON", "-DPAGEDKV_BUILD_ET=OFF", "-DPAGEDKV_BUILD_ORT=OFF",
+                 "-DCMAKE_BUILD_TYPE=RelWithDebInfo"]
+    args += list(extra_args or [])
+    subprocess.run(args, check=True)
+    subprocess.run([cmake, "--build", str(d), "-j", str(jobs or os.cpu_count() or 2)], check=True)
+    return d
+
+
+def _lib(name: str) -> Path:
+    p = build_dir() / name
+    if not p.exists():
+        raise KernelLibraryMissing(f"native kernel library {p} is missing: {_HINT}.")
+    return p
+
+
+def ort_library_path() -> str:
+    """Path of the onnxruntime custom-op library (for SessionOptions.register_custom_ops_library)."""
+    return str(_lib(ORT_LIB))
+
+
+def et_library_path() -> str:
+    return str(_lib(ET_LIB))
+
+
+def load_executorch_kernels() -> ctypes.CDLL:
+    """Register the pagedkv ExecuTorch kernels with the runtime of executorch's portable_lib (once).
+
+    portable_lib must be imported first: it carries the runtime our library links against, and
+    loading two copies of the runtime aborts the process.
+    """
+    global _et_handle
+    if _et_handle is None:
+        import executorch.extension.pybindings.portable_lib  # noqa: F401
+
+        _et_handle = ctypes.CDLL(et_library_path(), mode=ctypes.RTLD_GLOBAL)
+    return _et_handle
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m toolkit.native", description=__doc__.splitlines()[0])
+    ap.add_argument("--sanitize", action="store_true", help="build with AddressSanitizer + UBSan")
+    ap.add_argument("-j", "--jobs", type=int, default=None)
+    a = ap.parse_args(argv)
+    d = build(sanitize=a.sanitize, jobs=a.jobs)
+    print(f"built native kernels in {d}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
