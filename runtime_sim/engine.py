@@ -241,6 +241,24 @@ class Engine:
         self.counters.prefill_seconds += time.perf_counter() - t0
         return last
 
+    def step(self, feeds: dict[int, list[int]]) -> dict[int, np.ndarray]:
+        """One batched call: append tokens to several conversations (each after its pending tokens);
+        returns each conversation's last logits. Decode steps of many chats share one call."""
+        items = []
+        for cid, toks in feeds.items():
+            conv = self._conv(cid)
+            items.append((conv, conv.pending + list(toks)))
+        if any(not t for _, t in items):
+            raise PagedKVError("step() needs at least one token per conversation.")
+        t0 = time.perf_counter()
+        logits = self._run(items)
+        for conv, _ in items:
+            conv.pending = []
+        n = sum(len(t) for _, t in items)
+        self.counters.decode_tokens += n
+        self.counters.decode_seconds += time.perf_counter() - t0
+        return dict(zip(feeds, logits))
+
     def generate(
         self,
         cid: int,
