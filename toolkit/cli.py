@@ -260,6 +260,97 @@ def chat(
 
 
 
+@app.command("plan")
+@friendly_errors
+def plan_cmd(
+    model: str = typer.Argument("smollm2", help="HF model dir (only config.json is read), a .gguf file (metadata "
+                                "only), 'smollm2' (built-in dims), or a tiny family (llama, qwen2, gemma2, ...)."),
+    ram: str = typer.Option("4GiB", "--ram", help="RAM budget for the KV cache: 4GiB, 512MiB, 1.5GB, ..."),
+    spec: list[str] = typer.Option(
+        None, "--spec", help="KV spec to plan (repeatable): a preset name or PRESET:field=value,... "
+        "Default: fp16 q8_0-q4_0 et-int8 default best k4v4.",
+    ),
+    block_size: int = typer.Option(16, "--block-size", help="Pool block size (16 or 32)."),
+    max_seqs: int = typer.Option(4, "--max-seqs", help="Conversations sharing the pool (quantized specs keep "
+                                 "fp16 tail/sink rows per conversation)."),
+    ctx: int = typer.Option(8192, "--ctx", help="Max context a contiguous fp16 cache is preallocated for."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of a table."),
+):
+    """Tokens of KV cache that fit in a RAM budget per spec, and the allocations a paged pool needs vs a
+    contiguous fp16 cache."""
+    import json
+
+    from runtime_sim.plan import parse_size, plan as make_plan, rich_table
+
+    result = make_plan(model, parse_size(ram), list(spec or []) or None, block_size, max_seqs, ctx, model_name=model)
+    if as_json:
+        print(json.dumps(result))
+    else:
+        Console().print(rich_table(result))
+
+
+@app.command("simulate")
+@friendly_errors
+def simulate_cmd(
+    model: Optional[str] = typer.Option(None, "--model", help="Model whose KV dims to use (default SmolLM2-135M): "
+                                        "HF dir, .gguf, 'smollm2' or a tiny family."),
+    ram: str = typer.Option("4GiB", "--ram", help="Phone RAM (address space) size: 4GiB, 6GiB, 3.5GB, ..."),
+    free: str = typer.Option("0.25", "--free", help="Memory other apps leave free: a fraction of RAM (0.25) or a "
+                             "size (1GiB)."),
+    fragmentation: float = typer.Option(0.3, "--fragmentation", help="0 = one free hole ... 1 = many small holes "
+                                        "(the same total free memory)."),
+    pool_mb: Optional[float] = typer.Option(None, "--pool-mb", help="Paged pool budget in MiB, the same for fp16 and "
+                                            "quant (default: what the contiguous cache needs for 2 chats)."),
+    spec: str = typer.Option("default", "--spec", help="KV spec of the paged-quant strategy. " + SPEC_HELP),
+    ctx: int = typer.Option(8192, "--ctx", help="Max context per conversation (the contiguous buffer size)."),
+    chats: int = typer.Option(8, "--chats", help="Conversations alive at once (the pool's max_seqs)."),
+    turns: int = typer.Option(700, "--turns", help="Chat turns in the trace."),
+    block_size: int = typer.Option(16, "--block-size", help="Pool block size (16 or 32)."),
+    app_churn: float = typer.Option(0.3, "--app-churn", help="Other apps' alloc/free events per turn."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the RAM layout, the chat trace and the other apps."),
+    plot: Path = typer.Option(Path("simulate.png"), "--plot", help="PNG of KV memory and tokens over the trace."),
+    no_plot: bool = typer.Option(False, "--no-plot", help="Do not write the plot."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object {params, strategies} on stdout."),
+):
+    """Phone-memory simulation: contiguous fp16 vs paged fp16 vs paged quantized KV on one chat trace and
+    fragmented RAM."""
+    import json
+
+    from runtime_sim.plan import parse_size
+    from runtime_sim.simulate import SimConfig, parse_free, plot as write_plot, rich_table, simulate, to_json
+
+    cfg = SimConfig(
+        ram_bytes=parse_size(ram), free=parse_free(free), fragmentation=fragmentation, seed=seed, turns=turns,
+        chats=chats, ctx=ctx, pool_bytes=None if pool_mb is None else int(pool_mb * 2**20), quant_spec=spec,
+        block_size=block_size, app_churn=app_churn, model=model,
+    )
+    result = simulate(cfg)
+    if not no_plot:
+        write_plot(result, plot)
+        console.print(f"[dim]wrote {plot}[/]")
+    if as_json:
+        print(json.dumps(to_json(result)))
+    else:
+        Console().print(rich_table(result))
+
+
+@app.command("deploy")
+@friendly_errors
+def deploy_cmd(
+    artifacts: Path = typer.Argument(..., help="Artifacts dir made by `pagedkv export --format pte`."),
+    serial: Optional[str] = typer.Option(None, "--serial", "-s", help="Device serial from `adb devices`."),
+    adb: str = typer.Option("adb", help="The adb executable."),
+    package: str = typer.Option("org.pagedkv.demo", help="The Android app's package."),
+):
+    """Push model.pte, pagedkv.json and the tokenizer files to the Android demo app with adb."""
+    from toolkit.deploy import deploy
+
+    res = deploy(artifacts, serial=serial, adb=adb, package=package,
+                 progress=lambda m: console.print(f"[dim]  {m}[/]"))
+    console.print(f"deployed {len(res['files'])} files ({res['bytes'] / 2**20:.1f} MiB) to "
+                  f"{res['serial']}:{res['remote_dir']}")
+
+
 def main():
     app()
 

@@ -1,0 +1,158 @@
+#include "block_manager.h"
+
+#include <algorithm>
+#include <string>
+
+#include "errors.h"
+
+namespace pagedkv_rt {
+
+static int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+BlockManager::BlockManager(int num_blocks, int block_size, int max_seqs, int limit)
+    : num_blocks_(num_blocks), block_size_(block_size), max_seqs_(max_seqs), limit_(limit) {
+  if (block_size != 16 && block_size != 32)
+    throw RunnerError(ErrorCode::kArgument, "block size " + std::to_string(block_size) + " is invalid: use 16 or 32");
+  if (num_blocks < 1 || max_seqs < 1)
+    throw RunnerError(ErrorCode::kArgument, "the pool needs at least 1 block and 1 sequence slot");
+  if (limit < 1 || limit > num_blocks)
+    throw RunnerError(ErrorCode::kArgument, "usable block count " + std::to_string(limit) + " must be in 1.." +
+                                                std::to_string(num_blocks));
+  refcount_.assign(static_cast<size_t>(num_blocks), 0);
+  for (int b = 0; b < limit; ++b) free_.insert(b);
+  seqs_.resize(static_cast<size_t>(max_seqs));
+  for (int s = max_seqs - 1; s >= 0; --s) free_slots_.push_back(s);
+}
+
+int BlockManager::highest_used() const {
+  for (int b = num_blocks_ - 1; b >= 0; --b)
+    if (refcount_[static_cast<size_t>(b)] > 0) return b;
+  return -1;
+}
+
+const BlockManager::Seq& BlockManager::get(int seq, const char* action) const {
+  if (seq < 0 || seq >= max_seqs_)
+    throw RunnerError(ErrorCode::kState, "unknown sequence " + std::to_string(seq) + ": valid ids are 0.." +
+                                             std::to_string(max_seqs_ - 1));
+  const Seq& s = seqs_[static_cast<size_t>(seq)];
+  if (!s.live)
+    throw RunnerError(ErrorCode::kState, std::string("cannot ") + action + " sequence " + std::to_string(seq) +
+                                             ": it was released or never created");
+  return s;
+}
+
+int BlockManager::new_sequence() {
+  if (free_slots_.empty())
+    throw RunnerError(ErrorCode::kState, "all " + std::to_string(max_seqs_) +
+                                             " sequence slots are in use: clear a conversation, or export with a "
+                                             "larger max_seqs");
+  int seq = free_slots_.back();
+  free_slots_.pop_back();
+  seqs_[static_cast<size_t>(seq)] = Seq{true, {}, 0, 0};
+  return seq;
+}
+
+void BlockManager::decref(int block) {
+  int& r = refcount_[static_cast<size_t>(block)];
+  if (--r == 0) {
+    --used_;
+    if (block < limit_) free_.insert(block);
+  }
+}
+
+void BlockManager::release(int seq) {
+  Seq& s = get(seq, "release");
+  for (auto it = s.blocks.rbegin(); it != s.blocks.rend(); ++it)
+    if (*it >= 0) decref(*it);
+  s = Seq{};
+  free_slots_.push_back(seq);
+}
+
+int BlockManager::blocks_needed(int seq, int n_new_tokens) const {
+  const Seq& s = get(seq, "use");
+  return std::max(0, cdiv(s.length + n_new_tokens, block_size_) - static_cast<int>(s.blocks.size()));
+}
+
+void BlockManager::reserve(int seq, int n_new_tokens) {
+  Seq& s = get(seq, "use");
+  if (n_new_tokens < 0) throw RunnerError(ErrorCode::kArgument, "n_new_tokens must be >= 0");
+  int grow_by = blocks_needed(seq, n_new_tokens);
+  if (grow_by > num_free())
+    throw RunnerError(ErrorCode::kPoolExhausted,
+                      "KV block pool exhausted for sequence " + std::to_string(seq) + " growing from " +
+                          std::to_string(s.length) + " to " + std::to_string(s.length + n_new_tokens) +
+                          " tokens: needs " + std::to_string(grow_by) + " block(s), only " +
+                          std::to_string(num_free()) + " free. Clear a conversation or give the pool a larger budget.");
+  for (int i = 0; i < grow_by; ++i) {
+    int b = *free_.begin();
+    free_.erase(free_.begin());
+    refcount_[static_cast<size_t>(b)] = 1;
+    ++used_;
+    s.blocks.push_back(b);
+  }
+  s.reserved = std::max(s.reserved, s.length + n_new_tokens);
+}
+
+void BlockManager::commit(int seq, int n_tokens) {
+  Seq& s = get(seq, "commit to");
+  if (s.length + n_tokens > s.reserved)
+    throw RunnerError(ErrorCode::kState, "commit of " + std::to_string(n_tokens) + " token(s) to sequence " +
+                                             std::to_string(seq) + " exceeds its reservation: call reserve first");
+  s.length += n_tokens;
+}
+
+int BlockManager::length(int seq) const { return get(seq, "use").length; }
+const std::vector<int32_t>& BlockManager::blocks(int seq) const { return get(seq, "use").blocks; }
+
+std::vector<int> BlockManager::live_sequences() const {
+  std::vector<int> out;
+  for (int s = 0; s < max_seqs_; ++s)
+    if (seqs_[static_cast<size_t>(s)].live) out.push_back(s);
+  return out;
+}
+
+int BlockManager::shrink(int target) {
+  int floor = highest_used() + 1;
+  int to = std::max({target, floor, 1});
+  if (to >= limit_) return limit_;
+  free_.erase(free_.lower_bound(to), free_.end());
+  limit_ = to;
+  return limit_;
+}
+
+int BlockManager::grow(int target) {
+  int to = std::min(target, num_blocks_);
+  for (int b = limit_; b < to; ++b)
+    if (refcount_[static_cast<size_t>(b)] == 0) free_.insert(b);
+  limit_ = std::max(limit_, to);
+  return limit_;
+}
+
+void BlockManager::check_invariants() const {
+  auto fail = [](const std::string& m) { throw RunnerError(ErrorCode::kState, "block pool invariant broken: " + m); };
+  std::vector<int> refs(static_cast<size_t>(num_blocks_), 0);
+  int live = 0;
+  for (int q = 0; q < max_seqs_; ++q) {
+    const Seq& s = seqs_[static_cast<size_t>(q)];
+    if (!s.live) continue;
+    ++live;
+    if (s.length > s.reserved || static_cast<int>(s.blocks.size()) != cdiv(s.reserved, block_size_))
+      fail("sequence " + std::to_string(q) + " length/reserved/blocks disagree");
+    for (int b : s.blocks) {
+      if (b < 0 || b >= num_blocks_) fail("block id out of range");
+      ++refs[static_cast<size_t>(b)];
+    }
+  }
+  int used = 0;
+  for (int b = 0; b < num_blocks_; ++b) {
+    int r = refcount_[static_cast<size_t>(b)];
+    if (r != refs[static_cast<size_t>(b)]) fail("block " + std::to_string(b) + " refcount mismatch");
+    if (r > 0) ++used;
+    bool in_free = free_.count(b) > 0;
+    if (in_free != (r == 0 && b < limit_)) fail("block " + std::to_string(b) + " free-list membership wrong");
+  }
+  if (used != used_) fail("used count mismatch");
+  if (live + static_cast<int>(free_slots_.size()) != max_seqs_) fail("sequence slots inconsistent");
+}
+
+}  // namespace pagedkv_rt

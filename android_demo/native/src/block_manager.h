@@ -1,0 +1,62 @@
+// Block tables, reference counts, the free list and sequence slots of the paged KV pool: the C++
+// mirror of toolkit/block_pool.py (no prefix cache and no fork here: the app runs one chat per
+// conversation). Blocks are handed out lowest id first, so used blocks stay at the bottom of the
+// pool and shrinking its free top part usually succeeds.
+//
+// The usable limit: only blocks < limit() are handed out. shrink lowers it (blocks at or above the
+// new limit must be free), grow raises it again up to the exported number of blocks.
+#pragma once
+
+#include <cstdint>
+#include <set>
+#include <vector>
+
+namespace pagedkv_rt {
+
+class BlockManager {
+ public:
+  BlockManager(int num_blocks, int block_size, int max_seqs, int limit);
+
+  int num_blocks() const { return num_blocks_; }
+  int block_size() const { return block_size_; }
+  int max_seqs() const { return max_seqs_; }
+  int limit() const { return limit_; }
+  int num_used() const { return used_; }
+  int num_free() const { return static_cast<int>(free_.size()); }  // allocatable (below the limit)
+  int highest_used() const;                                          // -1 if none
+
+  int new_sequence();                  // throws RunnerError(kState) if all slots are in use
+  void release(int seq);               // drops the sequence's blocks and frees its slot
+  int blocks_needed(int seq, int n_new_tokens) const;
+  void reserve(int seq, int n_new_tokens);  // atomic: throws RunnerError(kPoolExhausted), nothing changed
+  void commit(int seq, int n_tokens);       // advance the length by tokens written
+  int length(int seq) const;
+  const std::vector<int32_t>& blocks(int seq) const;
+  std::vector<int> live_sequences() const;
+
+  // Lowers the limit towards target (never below highest_used()+1); returns the new limit.
+  int shrink(int target);
+  // Raises the limit towards target (at most num_blocks); returns the new limit.
+  int grow(int target);
+  // Throws RunnerError(kState) naming the first broken invariant.
+  void check_invariants() const;
+
+ private:
+  struct Seq {
+    bool live = false;
+    std::vector<int32_t> blocks;
+    int length = 0, reserved = 0;
+  };
+  int num_blocks_, block_size_, max_seqs_, limit_;
+  int used_ = 0;
+  std::vector<int> refcount_;
+  std::set<int> free_;  // free ids below limit_
+  std::vector<Seq> seqs_;
+  std::vector<int> free_slots_;  // stack, slot 0 popped first
+
+  const Seq& get(int seq, const char* action) const;
+  Seq& get(int seq, const char* action) { return const_cast<Seq&>(static_cast<const BlockManager*>(this)->get(seq, action)); }
+  void decref(int block);
+};
+
+}  // namespace pagedkv_rt

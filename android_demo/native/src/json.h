@@ -1,0 +1,54 @@
+// Minimal JSON reader (RFC 8259) for pagedkv.json and tokenizer.json. Values are immutable after
+// parsing; objects keep key order. No dependencies.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace pagedkv_rt {
+
+class Json {
+ public:
+  enum class Type { kNull, kBool, kNumber, kString, kArray, kObject };
+
+  // Parses text; throws std::runtime_error("...at offset N") on malformed input.
+  static Json parse(const std::string& text);
+
+  Type type() const { return type_; }
+  bool is_null() const { return type_ == Type::kNull; }
+  bool is_object() const { return type_ == Type::kObject; }
+  bool is_array() const { return type_ == Type::kArray; }
+  bool is_string() const { return type_ == Type::kString; }
+  bool is_number() const { return type_ == Type::kNumber; }
+
+  bool as_bool() const;
+  double as_number() const;
+  int64_t as_int() const;
+  const std::string& as_string() const;
+  const std::vector<Json>& items() const;                            // array
+  const std::vector<std::pair<std::string, Json>>& members() const;  // object, in order
+
+  bool has(const std::string& key) const;
+  const Json& operator[](const std::string& key) const;  // throws if missing (message names the key)
+  const Json& operator[](size_t i) const;
+  const Json* find(const std::string& key) const;  // nullptr if missing or not an object
+  size_t size() const;
+
+ private:
+  friend class JsonParser;
+  Type type_ = Type::kNull;
+  bool b_ = false;
+  double num_ = 0;
+  std::string str_;
+  std::vector<Json> arr_;
+  std::vector<std::pair<std::string, Json>> obj_;
+  std::shared_ptr<std::map<std::string, size_t>> index_;  // key -> position in obj_
+};
+
+// Appends the UTF-8 encoding of code point cp.
+void append_utf8(std::string& out, uint32_t cp);
+
+}  // namespace pagedkv_rt

@@ -1,0 +1,518 @@
+#include "runner.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <sstream>
+
+#include <executorch/extension/module/module.h>
+#include <executorch/extension/tensor/tensor.h>
+#include <executorch/runtime/core/hierarchical_allocator.h>
+
+#include "json.h"
+#include "pagedkv_core.h"
+
+namespace pagedkv_rt {
+
+namespace et = executorch::runtime;
+using executorch::aten::ScalarType;
+using executorch::extension::Module;
+
+namespace {
+
+std::string read_text(const std::string& path, const char* what) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f)
+    throw RunnerError(ErrorCode::kArtifact, std::string(what) + " " + path +
+                                                " not found: push the artifacts dir made by `pagedkv export --format pte` "
+                                                "(pagedkv deploy ARTIFACTS).");
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+size_t page_size() {
+  long p = sysconf(_SC_PAGESIZE);
+  return p > 0 ? static_cast<size_t>(p) : 4096;
+}
+
+// One memory-planned arena of the program, mapped by us (anonymous, private, page aligned).
+struct Arena {
+  uint8_t* ptr = nullptr;
+  size_t size = 0;
+  ~Arena() {
+    if (ptr) munmap(ptr, size);
+  }
+};
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+struct Runner::Impl {
+  RunnerConfig cfg;
+  // manifest
+  int num_layers = 0, kv_heads = 0, head_dim = 0, block_size = 0, num_blocks = 0, max_seqs = 0;
+  int layers_per_arena = 1, max_tokens_per_call = 0, max_blocks_per_seq = 0, vocab_size = 0;
+  int64_t bytes_per_token = 0, stage_bytes_per_seq = 0, codes_bytes_per_layer = 0;
+  // memory
+  std::vector<std::unique_ptr<Arena>> arenas;  // index i = memory id i + 1 (0: activations)
+  std::vector<et::Span<uint8_t>> spans;
+  std::unique_ptr<et::HierarchicalAllocator> planned;
+  std::unique_ptr<Module> module;
+  std::unique_ptr<BlockManager> pool;
+  int budget_limit = 0;  // usable blocks the budget allows (grow never goes above)
+  // conversations
+  struct Conv {
+    int seq;
+    std::vector<int32_t> history, pending;
+  };
+  std::map<int, Conv> convs;
+  int next_conv = 0;
+  // counters
+  int64_t prefill_tokens = 0, decode_tokens = 0;
+  double prefill_s = 0, decode_s = 0;
+  std::mutex mu;                // the runner (generate/clear/shrink)
+  mutable std::mutex stats_mu;  // the snapshot
+  PoolStats snapshot;
+
+  int64_t block_bytes_layer() const { return codes_bytes_per_layer / num_blocks; }
+  bool per_layer_arenas() const { return layers_per_arena == 1; }
+
+  int64_t committed_bytes() const {
+    int64_t c = static_cast<int64_t>(arenas.empty() ? 0 : arenas[0]->size);
+    for (size_t i = 1; i < arenas.size(); ++i) {
+      if (per_layer_arenas())
+        c += static_cast<int64_t>(arenas[i]->size) - codes_bytes_per_layer + pool->limit() * block_bytes_layer();
+      else
+        c += static_cast<int64_t>(arenas[i]->size);
+    }
+    return c;
+  }
+
+  void refresh_stats() {
+    PoolStats s;
+    s.total_blocks = num_blocks;
+    s.usable_blocks = pool->limit();
+    s.used_blocks = pool->num_used();
+    s.free_blocks = pool->num_free();
+    s.block_size = block_size;
+    s.sequences = static_cast<int>(pool->live_sequences().size());
+    s.bytes_per_block = bytes_per_token * block_size;
+    s.kv_bytes_in_use = s.used_blocks * s.bytes_per_block + s.sequences * stage_bytes_per_seq;
+    s.committed_bytes = committed_bytes();
+    for (const auto& a : arenas) {
+      s.reserved_bytes += static_cast<int64_t>(a->size);
+      s.largest_allocation_bytes = std::max<int64_t>(s.largest_allocation_bytes, static_cast<int64_t>(a->size));
+    }
+    s.num_allocations = static_cast<int>(arenas.size());
+    s.prefill_tokens = prefill_tokens;
+    s.decode_tokens = decode_tokens;
+    s.prefill_tok_s = prefill_s > 0 ? prefill_tokens / prefill_s : 0;
+    s.decode_tok_s = decode_s > 0 ? decode_tokens / decode_s : 0;
+    s.isa = pagedkv::isa_name(pagedkv::active_isa());
+    std::lock_guard<std::mutex> g(stats_mu);
+    snapshot = s;
+  }
+
+  // Touch (commit) or release the pages of blocks [lo, hi) in every layer's codes region.
+  int64_t touch_blocks(int lo, int hi, bool commit) {
+    if (!per_layer_arenas() || hi <= lo) return 0;
+    const size_t ps = page_size();
+    const size_t bbl = static_cast<size_t>(block_bytes_layer());
+    int64_t done = 0;
+    for (size_t i = 1; i < arenas.size(); ++i) {
+      size_t a = static_cast<size_t>(lo) * bbl, b = static_cast<size_t>(hi) * bbl;
+      if (commit) {
+        std::memset(arenas[i]->ptr + a, 0, b - a);
+        done += static_cast<int64_t>(b - a);
+      } else {
+        a = (a + ps - 1) / ps * ps;  // only whole pages inside the free range
+        b = b / ps * ps;
+        if (b > a && madvise(arenas[i]->ptr + a, b - a, MADV_DONTNEED) == 0) done += static_cast<int64_t>(b - a);
+      }
+    }
+    return done;
+  }
+
+  void load_manifest(const std::string& dir) {
+    Json m;
+    try {
+      m = Json::parse(read_text(dir + "/pagedkv.json", "manifest"));
+    } catch (const RunnerError&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw RunnerError(ErrorCode::kArtifact, dir + "/pagedkv.json is not valid: " + e.what() +
+                                                  ". Re-run `pagedkv export`.");
+    }
+    try {
+      if (m["format_version"].as_int() != 1)
+        throw RunnerError(ErrorCode::kArtifact, "pagedkv.json format_version " +
+                                                    std::to_string(m["format_version"].as_int()) +
+                                                    ", this runner reads 1: re-export with a matching pagedkv.");
+      const Json& pool = m["pool"];
+      num_layers = static_cast<int>(pool["num_layers"].as_int());
+      kv_heads = static_cast<int>(pool["num_kv_heads"].as_int());
+      head_dim = static_cast<int>(pool["head_dim"].as_int());
+      block_size = static_cast<int>(pool["block_size"].as_int());
+      num_blocks = static_cast<int>(pool["num_blocks"].as_int());
+      max_seqs = static_cast<int>(pool["max_seqs"].as_int());
+      bytes_per_token = pool["bytes_per_token"].as_int();
+      const std::string dtype = pool["codes_dtype"].as_string();
+      int64_t elem = dtype == "float32" ? 4 : dtype == "float16" ? 2 : 1;
+      int64_t n = 1;
+      for (const Json& d : pool["codes_shape"].items()) n *= d.as_int();
+      codes_bytes_per_layer = n * elem;
+      int64_t stage_rows = pool["stage_shape"][0].as_int();
+      int64_t stage_n = 1;
+      for (const Json& d : pool["stage_shape"].items()) stage_n *= d.as_int();
+      stage_bytes_per_seq = stage_rows > 1 ? stage_n / stage_rows * 2 * num_layers : 0;
+      const Json* pte = m["artifacts"].find("pte");
+      if (!pte)
+        throw RunnerError(ErrorCode::kArtifact, dir + " has no .pte artifact: export it with `pagedkv export --format pte`.");
+      layers_per_arena = static_cast<int>((*pte)["layers_per_arena"].as_int());
+      max_tokens_per_call = static_cast<int>((*pte)["max_tokens_per_call"].as_int());
+      max_blocks_per_seq = static_cast<int>((*pte)["max_blocks_per_seq"].as_int());
+      vocab_size = static_cast<int>(m["model"]["vocab_size"].as_int());
+      for (const Json& e : m["model"]["eos_token_ids"].items()) eos.push_back(static_cast<int32_t>(e.as_int()));
+      pte_file = (*pte)["file"].as_string();
+    } catch (const RunnerError&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw RunnerError(ErrorCode::kArtifact, dir + "/pagedkv.json is incomplete (" + e.what() +
+                                                  "): re-run `pagedkv export --format pte`.");
+    }
+  }
+  std::vector<int32_t> eos;
+  std::string pte_file;
+
+  void allocate_and_load(const std::string& dir) {
+    const std::string pte = dir + "/" + pte_file;
+    { std::ifstream f(pte); if (!f) read_text(pte, "program"); }
+    module = std::make_unique<Module>(pte, Module::LoadMode::Mmap);
+    if (module->load() != et::Error::Ok)
+      throw RunnerError(ErrorCode::kModel, "ExecuTorch could not load " + pte +
+                                               ": is it a .pte from the same executorch version (1.5.1)?");
+    auto meta = module->method_meta("forward");
+    if (!meta.ok()) throw RunnerError(ErrorCode::kModel, pte + " has no 'forward' method: re-export it.");
+    const size_t nbuf = meta->num_memory_planned_buffers();
+    const size_t want = 1 + static_cast<size_t>((num_layers + layers_per_arena - 1) / layers_per_arena);
+    if (nbuf != want)
+      throw RunnerError(ErrorCode::kArtifact, pte + " plans " + std::to_string(nbuf) + " memory arenas, the manifest " +
+                                                  "implies " + std::to_string(want) +
+                                                  " (activations + one per pool group): re-export the artifacts.");
+    // the budget decides how many blocks are usable (and committed)
+    const int64_t per_block = bytes_per_token * block_size;
+    int limit = num_blocks;
+    if (cfg.pool_budget_bytes > 0) {
+      int64_t fixed = static_cast<int64_t>(max_seqs) * stage_bytes_per_seq;
+      int64_t fit = (cfg.pool_budget_bytes - fixed) / per_block;
+      if (fit < 1)
+        throw RunnerError(ErrorCode::kArgument,
+                          "pool budget of " + std::to_string(cfg.pool_budget_bytes) + " bytes is too small: one block of " +
+                              std::to_string(block_size) + " tokens needs " + std::to_string(per_block + fixed) +
+                              " bytes. Raise the budget.");
+      limit = static_cast<int>(std::min<int64_t>(fit, num_blocks));
+    }
+    budget_limit = limit;
+    pool = std::make_unique<BlockManager>(num_blocks, block_size, max_seqs, limit);
+    for (size_t i = 0; i < nbuf; ++i) {
+      auto sz = meta->memory_planned_buffer_size(i);
+      if (!sz.ok()) throw RunnerError(ErrorCode::kModel, "cannot read the size of memory arena " + std::to_string(i + 1));
+      auto arena = std::make_unique<Arena>();
+      arena->size = static_cast<size_t>(std::max<int64_t>(*sz, 1));
+      const bool fail = cfg.fail_allocation_at == static_cast<int>(i);
+      void* p = fail ? MAP_FAILED
+                     : mmap(nullptr, arena->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) {
+        throw RunnerError(ErrorCode::kAllocation,
+                          "could not allocate memory arena " + std::to_string(i + 1) + " (" +
+                              (i == 0 ? std::string("activations") : "KV pool of layer group " + std::to_string(i - 1)) +
+                              ", " + std::to_string(arena->size) + " bytes)" + (fail ? " [injected failure]" : "") +
+                              ": free memory or lower the pool budget. Nothing stays allocated.");
+      }
+      arena->ptr = static_cast<uint8_t*>(p);
+      if (i >= 1 && per_layer_arenas() && static_cast<size_t>(codes_bytes_per_layer) > arena->size)
+        throw RunnerError(ErrorCode::kArtifact, "memory arena " + std::to_string(i + 1) + " (" + std::to_string(arena->size) +
+                                                    " bytes) is smaller than one layer's codes tensor: the .pte and "
+                                                    "pagedkv.json do not match; re-export.");
+      if (cfg.prefault) {  // commit what the budget allows: activations, non-block tensors, blocks < limit
+        if (i == 0 || !per_layer_arenas()) {
+          std::memset(arena->ptr, 0, arena->size);
+        } else {
+          std::memset(arena->ptr + codes_bytes_per_layer, 0, arena->size - static_cast<size_t>(codes_bytes_per_layer));
+        }
+      }
+      spans.emplace_back(arena->ptr, arena->size);
+      arenas.push_back(std::move(arena));
+    }
+    if (cfg.prefault) touch_blocks(0, limit, true);
+    planned = std::make_unique<et::HierarchicalAllocator>(et::Span<et::Span<uint8_t>>(spans.data(), spans.size()));
+    if (module->load_method("forward", planned.get()) != et::Error::Ok)
+      throw RunnerError(ErrorCode::kModel, "ExecuTorch could not load method 'forward' of " + pte +
+                                               " (missing kernel? the pagedkv kernels are linked into this runner)");
+  }
+
+  // One graph call for one conversation; returns the last token's logits.
+  std::vector<float> step(Conv& c, const std::vector<int32_t>& toks) {
+    const int T = static_cast<int>(toks.size());
+    const int start = pool->length(c.seq);
+    const int width = (start + T + block_size - 1) / block_size;
+    if (width > max_blocks_per_seq)
+      throw RunnerError(ErrorCode::kArgument, "conversation would reach " + std::to_string(start + T) +
+                                                  " tokens, the .pte accepts at most " +
+                                                  std::to_string(max_blocks_per_seq * block_size) + ": clear it.");
+    pool->reserve(c.seq, T);  // throws kPoolExhausted with nothing changed
+    std::vector<int64_t> ids(toks.begin(), toks.end()), pos(T), seq(T, c.seq);
+    std::iota(pos.begin(), pos.end(), static_cast<int64_t>(start));
+    std::vector<int64_t> tables(static_cast<size_t>(max_seqs) * width, -1);
+    for (int s : pool->live_sequences()) {
+      const auto& b = pool->blocks(s);
+      for (int j = 0; j < width && j < static_cast<int>(b.size()); ++j) tables[static_cast<size_t>(s) * width + j] = b[j];
+    }
+    using executorch::extension::make_tensor_ptr;
+    auto t_ids = make_tensor_ptr({1, T}, ids.data(), ScalarType::Long);
+    auto t_pos = make_tensor_ptr({T}, pos.data(), ScalarType::Long);
+    auto t_seq = make_tensor_ptr({T}, seq.data(), ScalarType::Long);
+    auto t_tab = make_tensor_ptr({max_seqs, width}, tables.data(), ScalarType::Long);
+    auto res = module->forward({*t_ids, *t_pos, *t_seq, *t_tab});
+    if (!res.ok()) {
+      // the kernel checks its inputs before writing: the blocks reserved for this call are unused
+      throw RunnerError(ErrorCode::kModel, "ExecuTorch forward failed (error " +
+                                               std::to_string(static_cast<int>(res.error())) +
+                                               "); see the log for the kernel's message");
+    }
+    pool->commit(c.seq, T);
+    c.history.insert(c.history.end(), toks.begin(), toks.end());
+    const auto& out = res.get()[0].toTensor();
+    const int V = static_cast<int>(out.size(out.dim() - 1));
+    const float* data = out.const_data_ptr<float>();
+    return std::vector<float>(data + static_cast<size_t>(T - 1) * V, data + static_cast<size_t>(T) * V);
+  }
+
+  Conv& conv(int id) {
+    auto it = convs.find(id);
+    if (it == convs.end())
+      throw RunnerError(ErrorCode::kState, "unknown conversation " + std::to_string(id) + ": create one with new_conversation()");
+    return it->second;
+  }
+};
+
+static int32_t sample(const std::vector<float>& logits, const Sampling& s, std::mt19937_64& rng) {
+  if (s.temperature <= 0.f)
+    return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  const size_t V = logits.size();
+  std::vector<double> z(V);
+  for (size_t i = 0; i < V; ++i) z[i] = static_cast<double>(logits[i]) / s.temperature;
+  if (s.top_k > 0 && static_cast<size_t>(s.top_k) < V) {
+    std::vector<double> tmp(z);
+    std::nth_element(tmp.begin(), tmp.begin() + (s.top_k - 1), tmp.end(), std::greater<double>());
+    const double kth = tmp[static_cast<size_t>(s.top_k - 1)];
+    for (double& x : z)
+      if (x < kth) x = -INFINITY;
+  }
+  const double mx = *std::max_element(z.begin(), z.end());
+  std::vector<double> p(V);
+  double sum = 0;
+  for (size_t i = 0; i < V; ++i) sum += (p[i] = std::exp(z[i] - mx));
+  for (double& x : p) x /= sum;
+  if (s.top_p < 1.f) {
+    std::vector<size_t> order(V);
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return p[a] > p[b]; });
+    double cum = 0;
+    std::vector<double> keep(V, 0.0);
+    for (size_t i : order) {
+      if (cum >= s.top_p) break;
+      keep[i] = p[i];
+      cum += p[i];
+    }
+    p.swap(keep);
+  }
+  std::discrete_distribution<size_t> dist(p.begin(), p.end());
+  return static_cast<int32_t>(dist(rng));
+}
+
+Runner::Runner(const RunnerConfig& cfg) : impl_(new Impl) {
+  impl_->cfg = cfg;
+  const std::string& dir = cfg.artifacts_dir;
+  impl_->load_manifest(dir);
+  try {
+    tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::from_file(dir + "/tokenizer.json"));
+  } catch (const std::exception& e) {
+    throw RunnerError(ErrorCode::kArtifact, std::string("tokenizer: ") + e.what());
+  }
+  stop_ids_ = impl_->eos;
+  for (const char* extra : {"<|im_end|>", "<|eot_id|>", "<|endoftext|>"}) {
+    int32_t id = tokenizer_->token_id(extra);
+    if (id >= 0 && std::find(stop_ids_.begin(), stop_ids_.end(), id) == stop_ids_.end()) stop_ids_.push_back(id);
+  }
+  if (!cfg.isa.empty()) {
+    pagedkv::Isa want = pagedkv::Isa::kAuto;
+    for (auto i : {pagedkv::Isa::kScalar, pagedkv::Isa::kAvx2, pagedkv::Isa::kNeon, pagedkv::Isa::kNeonDot})
+      if (cfg.isa == pagedkv::isa_name(i)) want = i;
+    if (want == pagedkv::Isa::kAuto || !pagedkv::set_isa(want))
+      throw RunnerError(ErrorCode::kArgument, "kernel code path '" + cfg.isa + "' is not available on this CPU");
+  }
+  if (cfg.num_threads > 0) pagedkv::set_num_threads(cfg.num_threads);
+  impl_->allocate_and_load(dir);
+  impl_->refresh_stats();
+}
+
+Runner::~Runner() = default;
+
+int Runner::new_conversation() {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  int seq = impl_->pool->new_sequence();
+  int id = impl_->next_conv++;
+  impl_->convs[id] = Impl::Conv{seq, {}, {}};
+  impl_->refresh_stats();
+  return id;
+}
+
+void Runner::clear(int conv) {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  auto& c = impl_->conv(conv);
+  impl_->pool->release(c.seq);
+  c.seq = impl_->pool->new_sequence();
+  c.history.clear();
+  c.pending.clear();
+  impl_->refresh_stats();
+}
+
+void Runner::close(int conv) {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  auto& c = impl_->conv(conv);
+  impl_->pool->release(c.seq);
+  impl_->convs.erase(conv);
+  impl_->refresh_stats();
+}
+
+int Runner::conversation_length(int conv) const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  return impl_->pool->length(impl_->conv(conv).seq);
+}
+
+std::vector<int32_t> Runner::chat_prompt(const std::string& user_text, bool first_turn) const {
+  if (tokenizer_->token_id("<|im_start|>") >= 0) {
+    std::string s = first_turn ? "" : "\n";  // the previous turn ended with <|im_end|>
+    s += "<|im_start|>user\n" + user_text + "<|im_end|>\n<|im_start|>assistant\n";
+    return tokenizer_->encode(s);
+  }
+  return tokenizer_->encode(user_text);
+}
+
+std::vector<int32_t> Runner::generate(int conv, const std::vector<int32_t>& prompt_ids, int max_new_tokens,
+                                      const Sampling& sampling, const TokenCallback& cb) {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  cancel_.store(false);
+  Impl& m = *impl_;
+  auto& c = m.conv(conv);
+  if (prompt_ids.empty()) throw RunnerError(ErrorCode::kArgument, "empty prompt: give at least one token.");
+  for (int32_t t : prompt_ids)
+    if (t < 0 || t >= m.vocab_size)
+      throw RunnerError(ErrorCode::kArgument, "token id " + std::to_string(t) + " is outside the vocabulary (0.." +
+                                                  std::to_string(m.vocab_size - 1) + ")");
+  std::vector<int32_t> toks = c.pending;
+  toks.insert(toks.end(), prompt_ids.begin(), prompt_ids.end());
+  const int need = m.pool->blocks_needed(c.seq, static_cast<int>(toks.size()));
+  if (need > m.pool->num_free())  // the whole prompt up front: never a half-prefilled turn
+    throw RunnerError(ErrorCode::kPoolExhausted,
+                      "KV block pool exhausted for a prompt of " + std::to_string(toks.size()) + " tokens: needs " +
+                          std::to_string(need) + " block(s), only " + std::to_string(m.pool->num_free()) +
+                          " free. Clear a conversation or give the pool a larger budget.");
+  c.pending.clear();
+  int chunk = m.max_tokens_per_call;
+  if (m.cfg.prefill_chunk > 0) chunk = std::min(chunk, m.cfg.prefill_chunk);
+  double t0 = now_s();
+  std::vector<float> logits;
+  for (size_t a = 0; a < toks.size(); a += static_cast<size_t>(chunk)) {
+    std::vector<int32_t> part(toks.begin() + static_cast<long>(a),
+                              toks.begin() + static_cast<long>(std::min(toks.size(), a + static_cast<size_t>(chunk))));
+    logits = m.step(c, part);
+  }
+  m.prefill_tokens += static_cast<int64_t>(toks.size());
+  m.prefill_s += now_s() - t0;
+  m.refresh_stats();
+
+  std::mt19937_64 rng(sampling.seed);
+  TokenStreamer streamer(*tokenizer_);
+  std::vector<int32_t> out;
+  for (int i = 0; i < max_new_tokens; ++i) {
+    int32_t tok = sample(logits, sampling, rng);
+    out.push_back(tok);
+    const bool stop = std::find(stop_ids_.begin(), stop_ids_.end(), tok) != stop_ids_.end();
+    bool go_on = true;
+    if (cb) {
+      std::string piece = streamer.push(tok);
+      if (stop || i == max_new_tokens - 1) piece += streamer.flush();
+      go_on = cb(tok, piece);
+    }
+    if (stop || i == max_new_tokens - 1 || !go_on || cancel_.load()) {
+      c.pending = {tok};  // fed at the start of the next turn, like runtime_sim's engine
+      break;
+    }
+    double t1 = now_s();
+    try {
+      logits = m.step(c, {tok});
+    } catch (...) {
+      c.pending = {tok};
+      m.refresh_stats();
+      throw;
+    }
+    m.decode_tokens += 1;
+    m.decode_s += now_s() - t1;
+    m.refresh_stats();
+  }
+  m.refresh_stats();
+  return out;
+}
+
+ShrinkResult Runner::shrink(int target) {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  Impl& m = *impl_;
+  ShrinkResult r;
+  r.requested_blocks = target;
+  r.usable_before = m.pool->limit();
+  int hu = m.pool->highest_used();
+  if (hu >= target) {  // count used blocks at or above the target
+    for (int s : m.pool->live_sequences())
+      for (int b : m.pool->blocks(s))
+        if (b >= target) ++r.blocked_by_used;
+  }
+  r.usable_after = m.pool->shrink(target);
+  r.released_bytes = m.touch_blocks(r.usable_after, r.usable_before, false);
+  m.refresh_stats();
+  return r;
+}
+
+int Runner::grow(int target) {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  Impl& m = *impl_;
+  int before = m.pool->limit();
+  int after = m.pool->grow(std::min(target, m.num_blocks));
+  if (m.cfg.prefault) m.touch_blocks(before, after, true);
+  m.refresh_stats();
+  return after;
+}
+
+PoolStats Runner::stats() const {
+  std::lock_guard<std::mutex> g(impl_->stats_mu);
+  return impl_->snapshot;
+}
+
+void Runner::check_invariants() const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  impl_->pool->check_invariants();
+}
+
+}  // namespace pagedkv_rt

@@ -1,0 +1,111 @@
+// pagedkv native runner: runs an exported artifacts dir (model.pte + pagedkv.json + tokenizer.json)
+// with ExecuTorch's Module and the pagedkv kernels, on a KV block pool that it preallocates itself.
+//
+//   Runner r(RunnerConfig{"/data/.../files/model", 64 << 20});   // 64 MiB pool budget
+//   int c = r.new_conversation();
+//   r.generate(c, r.tokenizer().encode("Hello"), 32, Sampling{}, [](int32_t id, const std::string& s) {
+//       std::cout << s; return true; });
+//   r.clear(c);                       // its blocks go back to the pool at once
+//   r.shrink(r.stats().used_blocks);  // onTrimMemory: drop the free part's pages
+//
+// Plain C++17, no Android headers. Thread safety: one thread generates at a time (generate/clear/
+// shrink take the runner's lock); stats() and cancel() may be called from any thread at any time.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "block_manager.h"
+#include "errors.h"
+#include "tokenizer.h"
+
+namespace pagedkv_rt {
+
+struct RunnerConfig {
+  std::string artifacts_dir;
+  int64_t pool_budget_bytes = 0;  // bytes for KV blocks (all layers); 0 = every block the .pte holds
+  bool prefault = true;           // touch the committed pages at startup so the memory is really there
+  int num_threads = 0;            // kernel threads (0 = default)
+  std::string isa;                // "" = best available; "scalar", "neon", "neon-dotprod", "avx2" to force
+  int prefill_chunk = 0;          // tokens per prefill call (0 = the .pte's max_tokens_per_call)
+  int fail_allocation_at = -1;    // tests: make the allocation of this arena fail
+};
+
+struct Sampling {
+  float temperature = 0.f;  // 0 = greedy
+  int top_k = 0;
+  float top_p = 1.f;
+  uint64_t seed = 0;
+};
+
+struct PoolStats {
+  int total_blocks = 0;      // blocks in the exported pool
+  int usable_blocks = 0;     // blocks below the current limit (budget / shrink)
+  int used_blocks = 0;
+  int free_blocks = 0;       // usable and free
+  int block_size = 0;
+  int sequences = 0;         // live conversations
+  int64_t kv_bytes_in_use = 0;
+  int64_t bytes_per_block = 0;   // all layers
+  int64_t committed_bytes = 0;   // arena bytes currently backed (after prefault / release)
+  int64_t reserved_bytes = 0;    // arena bytes mapped (address space)
+  int64_t largest_allocation_bytes = 0;
+  int num_allocations = 0;
+  int64_t prefill_tokens = 0, decode_tokens = 0;
+  double prefill_tok_s = 0, decode_tok_s = 0;
+  std::string isa;
+};
+
+struct ShrinkResult {
+  int requested_blocks = 0;   // the target usable count asked for
+  int usable_before = 0, usable_after = 0;
+  int blocked_by_used = 0;    // used blocks at or above the target (they kept the limit higher)
+  int64_t released_bytes = 0; // pages returned to the OS (madvise)
+};
+
+// Called for each generated token with the text it completes (whole UTF-8 characters). Return
+// false to stop generating.
+using TokenCallback = std::function<bool(int32_t token, const std::string& text)>;
+
+class Runner {
+ public:
+  explicit Runner(const RunnerConfig& cfg);  // loads everything; throws RunnerError
+  ~Runner();
+  Runner(const Runner&) = delete;
+  Runner& operator=(const Runner&) = delete;
+
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  const std::vector<int32_t>& stop_tokens() const { return stop_ids_; }
+
+  int new_conversation();
+  void clear(int conv);  // releases its blocks; the conversation stays usable, empty
+  void close(int conv);  // releases its blocks and forgets it
+  // Appends prompt_ids to the conversation, prefills, then samples up to max_new_tokens, streaming
+  // each through cb. Returns the generated ids. Stops at a stop token (it is returned, not fed).
+  std::vector<int32_t> generate(int conv, const std::vector<int32_t>& prompt_ids, int max_new_tokens,
+                                const Sampling& sampling, const TokenCallback& cb);
+  // A user turn in the model's chat format (ChatML when the tokenizer has <|im_start|>, else plain).
+  std::vector<int32_t> chat_prompt(const std::string& user_text, bool first_turn) const;
+  void cancel() { cancel_.store(true); }  // stops the running generate after its current step
+
+  ShrinkResult shrink(int target_usable_blocks);  // lower the limit, release free blocks' pages
+  int grow(int target_usable_blocks);             // raise it again (re-commits pages); returns the limit
+  PoolStats stats() const;
+  void check_invariants() const;
+  int conversation_length(int conv) const;  // tokens in the cache
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::vector<int32_t> stop_ids_;
+  std::atomic<bool> cancel_{false};
+};
+
+}  // namespace pagedkv_rt

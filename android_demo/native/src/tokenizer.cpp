@@ -1,0 +1,399 @@
+#include "tokenizer.h"
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+#include "json.h"
+
+namespace pagedkv_rt {
+
+namespace {
+
+#include "unicode_tables.inc"
+
+template <size_t N>
+bool in_ranges(const uint32_t (&r)[N][2], uint32_t cp) {
+  size_t lo = 0, hi = N;
+  while (lo < hi) {
+    size_t mid = (lo + hi) / 2;
+    if (cp < r[mid][0]) hi = mid;
+    else if (cp > r[mid][1]) lo = mid + 1;
+    else return true;
+  }
+  return false;
+}
+
+bool is_letter(uint32_t cp) {
+  if (cp < 0x80) return (cp | 0x20) >= 'a' && (cp | 0x20) <= 'z';
+  return in_ranges(kLetterRanges, cp);
+}
+bool is_number(uint32_t cp) {
+  if (cp < 0x80) return cp >= '0' && cp <= '9';
+  return in_ranges(kNumberRanges, cp);
+}
+// Unicode White_Space (what \s matches in the Rust regex engines HF tokenizers uses).
+bool is_space(uint32_t cp) {
+  return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
+         (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F ||
+         cp == 0x3000;
+}
+
+struct Cp {
+  uint32_t cp;
+  size_t off, len;  // byte range in the text
+};
+
+std::vector<Cp> decode_utf8(const std::string& s) {
+  std::vector<Cp> out;
+  out.reserve(s.size());
+  size_t i = 0;
+  while (i < s.size()) {
+    unsigned char c = static_cast<unsigned char>(s[i]);
+    size_t n = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+    uint32_t cp = c;
+    bool ok = n > 0 && i + n <= s.size();
+    if (ok && n > 1) {
+      cp = c & (0x7F >> n);
+      for (size_t k = 1; k < n; ++k) {
+        unsigned char cc = static_cast<unsigned char>(s[i + k]);
+        if ((cc & 0xC0) != 0x80) { ok = false; break; }
+        cp = (cp << 6) | (cc & 0x3F);
+      }
+    }
+    if (!ok) {  // invalid byte: one "other" code point
+      out.push_back({0xFFFD, i, 1});
+      ++i;
+      continue;
+    }
+    out.push_back({cp, i, n});
+    i += n;
+  }
+  return out;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw std::runtime_error("cannot open " + path + ": is the artifacts directory complete?");
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+std::vector<std::string> gpt2_split(const std::string& text) {
+  std::vector<Cp> cps = decode_utf8(text);
+  std::vector<std::string> out;
+  const size_t n = cps.size();
+  size_t i = 0;
+  auto piece = [&](size_t a, size_t b) {  // code points [a, b)
+    out.push_back(text.substr(cps[a].off, cps[b - 1].off + cps[b - 1].len - cps[a].off));
+  };
+  auto other = [](uint32_t c) { return !is_space(c) && !is_letter(c) && !is_number(c); };
+  while (i < n) {
+    uint32_t c = cps[i].cp;
+    // 's|'t|'re|'ve|'m|'ll|'d
+    if (c == '\'' && i + 1 < n) {
+      uint32_t a = cps[i + 1].cp, b = i + 2 < n ? cps[i + 2].cp : 0;
+      size_t len = 0;
+      if (a == 's' || a == 't' || a == 'm' || a == 'd') len = 2;
+      else if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l')) len = 3;
+      if (len) {
+        piece(i, i + len);
+        i += len;
+        continue;
+      }
+    }
+    // ` ?X+` for X in letter, number, other
+    size_t start = i, j = i;
+    if (c == ' ' && i + 1 < n) j = i + 1;
+    uint32_t d = cps[j].cp;
+    bool (*cls)(uint32_t) = nullptr;
+    if (is_letter(d)) cls = is_letter;
+    else if (is_number(d)) cls = is_number;
+    else if (other(d)) cls = +[](uint32_t x) { return !is_space(x) && !is_letter(x) && !is_number(x); };
+    if (cls && (j == i || c == ' ')) {
+      size_t k = j;
+      while (k < n && cls(cps[k].cp)) ++k;
+      piece(start, k);
+      i = k;
+      continue;
+    }
+    // \s+(?!\S) | \s+
+    if (is_space(c)) {
+      size_t k = i;
+      while (k < n && is_space(cps[k].cp)) ++k;
+      if (k < n && k - i >= 2) k -= 1;  // leave the last space to prefix the next word
+      piece(i, k);
+      i = k;
+      continue;
+    }
+    piece(i, i + 1);  // unreachable for valid classes, kept for safety
+    ++i;
+  }
+  return out;
+}
+
+Tokenizer Tokenizer::from_file(const std::string& path) {
+  Json j;
+  try {
+    j = Json::parse(read_file(path));
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(path + ": " + e.what());
+  }
+  return from_json(j);
+}
+
+Tokenizer Tokenizer::from_json(const Json& j) {
+  Tokenizer t;
+  const Json& model = j["model"];
+  const Json* type = model.find("type");
+  if (type && type->as_string() != "BPE")
+    throw std::runtime_error("tokenizer.json model type '" + type->as_string() +
+                             "' is not supported: this runner reads byte-level BPE tokenizers only");
+  auto check_bytelevel = [](const Json* p, const char* what) {
+    if (!p || p->is_null()) return;
+    if ((*p)["type"].as_string() != "ByteLevel")
+      throw std::runtime_error(std::string("tokenizer.json ") + what + " '" + (*p)["type"].as_string() +
+                               "' is not supported: this runner reads ByteLevel tokenizers only");
+  };
+  check_bytelevel(j.find("pre_tokenizer"), "pre_tokenizer");
+  check_bytelevel(j.find("decoder"), "decoder");
+  if (const Json* norm = j.find("normalizer"); norm && !norm->is_null())
+    throw std::runtime_error("tokenizer.json has a normalizer (" + (*norm)["type"].as_string() +
+                             "): not supported by this runner");
+  if (const Json* pre = j.find("pre_tokenizer"); pre && !pre->is_null()) {
+    if (const Json* r = pre->find("use_regex")) t.use_regex_ = r->as_bool();
+    if (const Json* a = pre->find("add_prefix_space")) t.add_prefix_space_ = a->as_bool();
+  }
+  if (const Json* im = model.find("ignore_merges"); im && !im->is_null()) t.ignore_merges_ = im->as_bool();
+
+  // GPT-2's byte <-> printable code point table
+  int extra = 0;
+  for (int b = 0; b < 256; ++b) {
+    bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
+    uint32_t cp = printable ? static_cast<uint32_t>(b) : static_cast<uint32_t>(256 + extra++);
+    append_utf8(t.byte_to_mapped_[b], cp);
+    t.mapped_to_byte_[cp] = static_cast<uint8_t>(b);
+  }
+
+  int32_t max_id = -1;
+  for (const auto& kv : model["vocab"].members()) {
+    int32_t id = static_cast<int32_t>(kv.second.as_int());
+    t.vocab_[kv.first] = id;
+    max_id = std::max(max_id, id);
+  }
+  if (const Json* added = j.find("added_tokens"))
+    for (const Json& a : added->items()) max_id = std::max(max_id, static_cast<int32_t>(a["id"].as_int()));
+  t.id_to_token_.assign(static_cast<size_t>(max_id + 1), std::string());
+  t.id_special_.assign(static_cast<size_t>(max_id + 1), 0);
+  for (const auto& kv : t.vocab_) t.id_to_token_[static_cast<size_t>(kv.second)] = kv.first;
+
+  const auto& merges = model["merges"].items();
+  t.merge_rank_.reserve(merges.size() * 2);
+  for (size_t r = 0; r < merges.size(); ++r) {
+    std::string a, b;
+    if (merges[r].is_array()) {  // tokenizers >= 0.20: ["a", "b"]
+      a = merges[r][0].as_string();
+      b = merges[r][1].as_string();
+    } else {  // "a b"
+      const std::string& s = merges[r].as_string();
+      size_t sp = s.find(' ', 1);
+      if (sp == std::string::npos) throw std::runtime_error("tokenizer.json merge '" + s + "' has no space");
+      a = s.substr(0, sp);
+      b = s.substr(sp + 1);
+    }
+    t.merge_rank_.emplace(a + '\x01' + b, static_cast<int32_t>(r));
+  }
+
+  if (const Json* added = j.find("added_tokens")) {
+    for (const Json& a : added->items()) {
+      AddedToken at{a["content"].as_string(), static_cast<int32_t>(a["id"].as_int()),
+                    a.has("special") && a["special"].as_bool()};
+      t.id_to_token_[static_cast<size_t>(at.id)] = at.content;
+      t.id_special_[static_cast<size_t>(at.id)] = at.special ? 2 : 1;
+      t.added_.push_back(at);
+    }
+    std::stable_sort(t.added_.begin(), t.added_.end(),
+                     [](const AddedToken& x, const AddedToken& y) { return x.content.size() > y.content.size(); });
+  }
+
+  if (const Json* pp = j.find("post_processor"); pp && !pp->is_null() && (*pp)["type"].as_string() == "TemplateProcessing") {
+    bool seen_a = false;
+    for (const Json& item : (*pp)["single"].items()) {
+      if (item.has("Sequence")) {
+        seen_a = true;
+      } else if (const Json* st = item.find("SpecialToken")) {
+        const std::string& name = (*st)["id"].as_string();
+        for (const Json& id : (*pp)["special_tokens"][name]["ids"].items())
+          (seen_a ? t.suffix_ids_ : t.prefix_ids_).push_back(static_cast<int32_t>(id.as_int()));
+      }
+    }
+  }
+  return t;
+}
+
+int32_t Tokenizer::token_id(const std::string& content) const {
+  for (const auto& a : added_)
+    if (a.content == content) return a.id;
+  std::string mapped;
+  for (unsigned char c : content) mapped += byte_to_mapped_[c];
+  auto it = vocab_.find(mapped);
+  return it == vocab_.end() ? -1 : it->second;
+}
+
+bool Tokenizer::is_special(int32_t id) const {
+  return id >= 0 && static_cast<size_t>(id) < id_special_.size() && id_special_[static_cast<size_t>(id)] == 2;
+}
+
+void Tokenizer::bpe_word(const std::string& word_bytes, std::vector<int32_t>& out) const {
+  auto hit = cache_.find(word_bytes);
+  if (hit != cache_.end()) {
+    out.insert(out.end(), hit->second.begin(), hit->second.end());
+    return;
+  }
+  std::vector<std::string> sym;
+  sym.reserve(word_bytes.size());
+  std::string whole;
+  for (unsigned char c : word_bytes) {
+    sym.push_back(byte_to_mapped_[c]);
+    whole += byte_to_mapped_[c];
+  }
+  std::vector<int32_t> ids;
+  auto whole_it = ignore_merges_ ? vocab_.find(whole) : vocab_.end();
+  if (whole_it != vocab_.end()) {
+    ids.push_back(whole_it->second);
+  } else {
+    // Repeatedly merge the adjacent pair with the lowest rank (leftmost among equals).
+    std::string key;
+    while (sym.size() > 1) {
+      int32_t best = INT32_MAX;
+      size_t at = 0;
+      for (size_t k = 0; k + 1 < sym.size(); ++k) {
+        key.assign(sym[k]).append(1, '\x01').append(sym[k + 1]);
+        auto it = merge_rank_.find(key);
+        if (it != merge_rank_.end() && it->second < best) {
+          best = it->second;
+          at = k;
+        }
+      }
+      if (best == INT32_MAX) break;
+      // merge every non-overlapping occurrence of this pair, left to right
+      const std::string a = sym[at], b = sym[at + 1];
+      std::vector<std::string> next;
+      next.reserve(sym.size());
+      for (size_t k = 0; k < sym.size();) {
+        if (k + 1 < sym.size() && sym[k] == a && sym[k + 1] == b) {
+          next.push_back(a + b);
+          k += 2;
+        } else {
+          next.push_back(sym[k]);
+          k += 1;
+        }
+      }
+      sym.swap(next);
+    }
+    for (const auto& s : sym) {
+      auto it = vocab_.find(s);
+      if (it != vocab_.end()) {
+        ids.push_back(it->second);
+      } else {  // not in the vocab (incomplete alphabet): fall back to its single bytes if they exist
+        std::vector<Cp> cps = decode_utf8(s);
+        for (const Cp& cp : cps) {
+          std::string one;
+          append_utf8(one, cp.cp);
+          auto it2 = vocab_.find(one);
+          if (it2 != vocab_.end()) ids.push_back(it2->second);
+        }
+      }
+    }
+  }
+  if (cache_.size() < 100000) cache_.emplace(word_bytes, ids);
+  out.insert(out.end(), ids.begin(), ids.end());
+}
+
+void Tokenizer::encode_plain(const std::string& text, std::vector<int32_t>& out) const {
+  if (text.empty()) return;
+  std::string t = text;
+  if (add_prefix_space_ && t[0] != ' ') t.insert(t.begin(), ' ');
+  if (use_regex_) {
+    for (const std::string& w : gpt2_split(t)) bpe_word(w, out);
+  } else {
+    bpe_word(t, out);
+  }
+}
+
+std::vector<int32_t> Tokenizer::encode(const std::string& text, bool add_special) const {
+  std::vector<int32_t> out;
+  if (add_special) out = prefix_ids_;
+  size_t seg = 0, i = 0;
+  while (i < text.size()) {
+    const AddedToken* match = nullptr;
+    for (const auto& a : added_) {  // longest first
+      if (!a.content.empty() && text.compare(i, a.content.size(), a.content) == 0) {
+        match = &a;
+        break;
+      }
+    }
+    if (!match) {
+      ++i;
+      continue;
+    }
+    encode_plain(text.substr(seg, i - seg), out);
+    out.push_back(match->id);
+    i += match->content.size();
+    seg = i;
+  }
+  encode_plain(text.substr(seg), out);
+  if (add_special) out.insert(out.end(), suffix_ids_.begin(), suffix_ids_.end());
+  return out;
+}
+
+std::string Tokenizer::token_bytes(int32_t id, bool skip_special) const {
+  if (id < 0 || static_cast<size_t>(id) >= id_to_token_.size()) return std::string();
+  const size_t u = static_cast<size_t>(id);
+  if (id_special_[u]) return (id_special_[u] == 2 && skip_special) ? std::string() : id_to_token_[u];
+  std::string out;
+  for (const Cp& cp : decode_utf8(id_to_token_[u])) {
+    auto it = mapped_to_byte_.find(cp.cp);
+    if (it != mapped_to_byte_.end()) out += static_cast<char>(it->second);
+    else out += id_to_token_[u].substr(cp.off, cp.len);
+  }
+  return out;
+}
+
+std::string Tokenizer::decode(const std::vector<int32_t>& ids, bool skip_special) const {
+  std::string out;
+  for (int32_t id : ids) out += token_bytes(id, skip_special);
+  return out;
+}
+
+std::string TokenStreamer::push(int32_t id) {
+  pending_ += tok_.token_bytes(id, /*skip_special=*/true);
+  // emit everything up to the last complete UTF-8 character
+  size_t n = pending_.size(), cut = n;
+  size_t k = n;
+  while (k > 0 && n - k < 4) {
+    unsigned char c = static_cast<unsigned char>(pending_[k - 1]);
+    if ((c & 0xC0) == 0x80) {  // continuation byte: keep looking for the lead
+      --k;
+      continue;
+    }
+    size_t need = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 1;
+    cut = (n - (k - 1) >= need) ? n : k - 1;
+    break;
+  }
+  std::string out = pending_.substr(0, cut);
+  pending_.erase(0, cut);
+  return out;
+}
+
+std::string TokenStreamer::flush() {
+  std::string out;
+  out.swap(pending_);
+  return out;
+}
+
+}  // namespace pagedkv_rt

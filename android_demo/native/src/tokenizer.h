@@ -1,0 +1,71 @@
+// Byte-level BPE tokenizer for HuggingFace tokenizer.json files (GPT-2 / SmolLM2 / Llama-3 style:
+// model.type "BPE", ByteLevel pre-tokenizer with the GPT-2 split regex, ByteLevel decoder, added
+// tokens split out first). Written for pagedkv; no third-party code.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace pagedkv_rt {
+
+class Json;
+
+class Tokenizer {
+ public:
+  // Loads tokenizer.json; throws std::runtime_error naming what is unsupported or malformed.
+  static Tokenizer from_file(const std::string& path);
+  static Tokenizer from_json(const Json& j);
+
+  // Encodes UTF-8 text. add_special applies the post-processor's template (e.g. a BOS token).
+  std::vector<int32_t> encode(const std::string& text, bool add_special = true) const;
+  // Decodes ids to UTF-8 bytes (invalid sequences are kept as raw bytes).
+  std::string decode(const std::vector<int32_t>& ids, bool skip_special = false) const;
+  // The bytes of one token (added tokens: their content; special ones empty when skip_special).
+  std::string token_bytes(int32_t id, bool skip_special = false) const;
+
+  int32_t vocab_size() const { return static_cast<int32_t>(id_to_token_.size()); }
+  int32_t token_id(const std::string& content) const;  // -1 if unknown (vocab or added token)
+  bool is_special(int32_t id) const;
+
+ private:
+  struct AddedToken {
+    std::string content;
+    int32_t id;
+    bool special;
+  };
+  std::unordered_map<std::string, int32_t> vocab_;  // byte-level (mapped) string -> id
+  std::vector<std::string> id_to_token_;            // id -> mapped string (or added content)
+  std::vector<uint8_t> id_special_;
+  std::unordered_map<std::string, int32_t> merge_rank_;  // "a\x01b" -> rank
+  std::vector<AddedToken> added_;                         // sorted longest content first
+  std::vector<int32_t> prefix_ids_, suffix_ids_;          // post-processor template specials
+  bool use_regex_ = true;
+  bool add_prefix_space_ = false;
+  bool ignore_merges_ = false;
+  std::string byte_to_mapped_[256];
+  std::unordered_map<uint32_t, uint8_t> mapped_to_byte_;
+  mutable std::unordered_map<std::string, std::vector<int32_t>> cache_;
+
+  void bpe_word(const std::string& word_bytes, std::vector<int32_t>& out) const;
+  void encode_plain(const std::string& text, std::vector<int32_t>& out) const;
+};
+
+// Splits text with the GPT-2 pre-tokenizer regex
+// 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+std::vector<std::string> gpt2_split(const std::string& text);
+
+// Turns a stream of token ids into text pieces that are whole UTF-8 characters.
+class TokenStreamer {
+ public:
+  explicit TokenStreamer(const Tokenizer& tok) : tok_(tok) {}
+  std::string push(int32_t id);  // the complete characters this token finishes (may be empty)
+  std::string flush();           // whatever is left (possibly invalid UTF-8)
+
+ private:
+  const Tokenizer& tok_;
+  std::string pending_;
+};
+
+}  // namespace pagedkv_rt

@@ -1,0 +1,92 @@
+"""Fixtures for the native runner's tests: a byte-level BPE tokenizer trained with HF `tokenizers`
+on wikitext, a tiny llama exported to .pte (fp32 pool) with it, and HF's greedy tokens.
+
+    python android_demo/native/tests/make_fixtures.py OUT_DIR [--spec fp32] [--pool-tokens N]
+
+Writes OUT_DIR/artifacts (model.pte, pagedkv.json, tokenizer files) and OUT_DIR/expected.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+WIKI = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+PROMPTS = [
+    "The tower is 324 metres tall, about the same height as an 81-storey building.",
+    " Valkyria Chronicles III is a tactical role @-@ playing video game",
+    "Hello, world! \u00e9t\u00e9 \u4e2d\u6587 \U0001F600 tabs\tand  spaces",
+]
+
+
+def wiki_lines(limit: int | None = None) -> list[str]:
+    lines = [ln for ln in WIKI.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    return lines[:limit] if limit else lines
+
+
+def tiny_bpe_tokenizer(vocab_size: int = 512):
+    """A GPT-2 style byte-level BPE (ByteLevel pre-tokenizer + decoder) trained on wikitext, as a
+    transformers PreTrainedTokenizerFast with <pad>=0, <s>=1, </s>=2 like the tiny models' config."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(wiki_lines(3000), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """Plain HF greedy loop (full recompute each step, no cache tricks)."""
+    import torch
+
+    ids = list(ids)
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
+            t = int(torch.argmax(logits))
+            out.append(t)
+            ids.append(t)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--spec", default="fp32")
+    ap.add_argument("--pool-tokens", type=int, default=512)
+    ap.add_argument("--max-seqs", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=24)
+    a = ap.parse_args(argv)
+
+    from export.artifacts import PoolRequest, export_artifacts
+    from toolkit.tiny_models import tiny_model
+
+    a.out.mkdir(parents=True, exist_ok=True)
+    tok = tiny_bpe_tokenizer()
+    model = tiny_model("llama")
+    art = a.out / "artifacts"
+    export_artifacts(
+        "tiny-llama", art, formats=("pte",), spec=a.spec,
+        pool=PoolRequest(pool_tokens=a.pool_tokens, max_seqs=a.max_seqs, block_size=16),
+        max_tokens_per_call=32, model_and_tokenizer=(model, tok),
+    )
+    reference = tiny_model("llama")  # export rewrites `model`'s attention; HF runs on a fresh copy
+    cases = []
+    for p in PROMPTS[:2]:
+        ids = tok(p)["input_ids"]
+        cases.append({"prompt": p, "prompt_ids": ids, "hf_greedy": hf_greedy(reference, ids, a.new_tokens)})
+    (a.out / "expected.json").write_text(json.dumps({"spec": a.spec, "cases": cases}, indent=1))
+    print(f"wrote {art} and {a.out / 'expected.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,267 @@
+// Runner tests on a tiny exported model (fixtures made by tests/make_fixtures.py):
+//   runner_test FIXTURES_DIR [--expect-isa NAME] [--no-rss] [--tokens-out FILE]
+// FIXTURES_DIR holds artifacts/ (model.pte, pagedkv.json, tokenizer.json) and expected.json (HF's
+// greedy tokens for each prompt, fp32 pool).
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "json.h"
+#include "runner.h"
+#include "test_util.h"
+
+using namespace pagedkv_rt;
+
+namespace {
+
+std::string g_fix, g_art, g_expect_isa, g_tokens_out;
+bool g_rss = true;
+
+struct Case {
+  std::string prompt;
+  std::vector<int32_t> prompt_ids, hf;
+};
+std::vector<Case> g_cases;
+
+std::vector<int32_t> ints(const Json& a) {
+  std::vector<int32_t> v;
+  for (const Json& x : a.items()) v.push_back(static_cast<int32_t>(x.as_int()));
+  return v;
+}
+
+long rss_kib() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6));
+  return -1;
+}
+
+ErrorCode code_of(const std::function<void()>& f, std::string* msg = nullptr) {
+  try {
+    f();
+  } catch (const RunnerError& e) {
+    if (msg) *msg = e.what();
+    return e.code();
+  }
+  return static_cast<ErrorCode>(0);
+}
+
+RunnerConfig cfg(int64_t budget = 0) {
+  RunnerConfig c;
+  c.artifacts_dir = g_art;
+  c.pool_budget_bytes = budget;
+  return c;
+}
+
+std::vector<int32_t> greedy(Runner& r, int conv, const Case& c, std::string* text = nullptr) {
+  return r.generate(conv, c.prompt_ids, static_cast<int>(c.hf.size()), Sampling{},
+                    [&](int32_t, const std::string& piece) {
+                      if (text) *text += piece;
+                      return true;
+                    });
+}
+
+std::string show(const std::vector<int32_t>& v) {
+  std::ostringstream s;
+  for (size_t i = 0; i < v.size(); ++i) s << (i ? " " : "") << v[i];
+  return s.str();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: runner_test FIXTURES_DIR [--expect-isa NAME] [--no-rss] [--tokens-out FILE]\n");
+    return 2;
+  }
+  g_fix = argv[1];
+  g_art = g_fix + "/artifacts";
+  for (int i = 2; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--expect-isa" && i + 1 < argc) g_expect_isa = argv[++i];
+    else if (a == "--no-rss") g_rss = false;
+    else if (a == "--tokens-out" && i + 1 < argc) g_tokens_out = argv[++i];
+  }
+  {
+    std::ifstream f(g_fix + "/expected.json");
+    std::stringstream ss;
+    ss << f.rdbuf();
+    Json e = Json::parse(ss.str());
+    for (const Json& c : e["cases"].items())
+      g_cases.push_back({c["prompt"].as_string(), ints(c["prompt_ids"]), ints(c["hf_greedy"])});
+  }
+  t::Summary s;
+  std::vector<std::vector<int32_t>> runner_tokens;
+
+  s.run("preallocates_every_arena", [] {
+    Runner r(cfg());
+    PoolStats st = r.stats();
+    std::printf("    pool: %d blocks x %d tokens, %d allocations, largest %lld bytes, committed %lld bytes, isa %s\n",
+                st.total_blocks, st.block_size, st.num_allocations, (long long)st.largest_allocation_bytes,
+                (long long)st.committed_bytes, st.isa.c_str());
+    CHECK_EQ(st.usable_blocks, st.total_blocks);
+    CHECK_EQ(st.free_blocks, st.total_blocks);
+    CHECK_EQ(st.used_blocks, 0);
+    CHECK(st.num_allocations >= 3);  // activations + one per layer
+    CHECK(st.largest_allocation_bytes < st.reserved_bytes);
+    CHECK(st.committed_bytes == st.reserved_bytes);
+    if (!g_expect_isa.empty()) {
+      if (st.isa != g_expect_isa) std::printf("    isa %s, expected %s\n", st.isa.c_str(), g_expect_isa.c_str());
+      CHECK(st.isa == g_expect_isa);
+    }
+  });
+
+  s.run("tokenizer_matches_hf_ids", [] {
+    Runner r(cfg());
+    for (const Case& c : g_cases) CHECK(r.tokenizer().encode(c.prompt) == c.prompt_ids);
+  });
+
+  s.run("greedy_tokens_equal_hf", [&] {
+    Runner r(cfg());
+    for (const Case& c : g_cases) {
+      int conv = r.new_conversation();
+      std::string text;
+      auto got = greedy(r, conv, c, &text);
+      runner_tokens.push_back(got);
+      if (got != c.hf) std::printf("    runner: %s\n    hf:     %s\n", show(got).c_str(), show(c.hf).c_str());
+      CHECK(got == c.hf);
+      CHECK(text == r.tokenizer().decode(got, true));  // streamed pieces add up to the decoded text
+      r.check_invariants();
+    }
+    PoolStats st = r.stats();
+    CHECK_EQ(st.sequences, static_cast<int>(g_cases.size()));
+    CHECK(st.decode_tok_s > 0 && st.prefill_tok_s > 0);
+    std::printf("    prefill %.0f tok/s, decode %.0f tok/s\n", st.prefill_tok_s, st.decode_tok_s);
+  });
+
+  s.run("clear_releases_blocks", [] {
+    Runner r(cfg());
+    int a = r.new_conversation(), b = r.new_conversation();
+    CHECK(greedy(r, a, g_cases[0]) == g_cases[0].hf);
+    int used_a = r.stats().used_blocks;
+    CHECK(greedy(r, b, g_cases[1]) == g_cases[1].hf);  // b beside a: separate block tables
+    int used_ab = r.stats().used_blocks;
+    CHECK(used_ab > used_a);
+    r.clear(a);
+    CHECK_EQ(r.stats().used_blocks, used_ab - used_a);
+    CHECK_EQ(r.conversation_length(a), 0);
+    r.clear(b);
+    CHECK_EQ(r.stats().used_blocks, 0);
+    CHECK_EQ(r.stats().kv_bytes_in_use, 0);
+    CHECK(greedy(r, a, g_cases[0]) == g_cases[0].hf);  // the cleared conversation starts fresh
+    r.close(a);
+    r.close(b);
+    CHECK_EQ(r.stats().used_blocks, 0);
+    CHECK(code_of([&] { r.clear(a); }) == ErrorCode::kState);
+    r.check_invariants();
+  });
+
+  s.run("shrink_releases_free_part", [] {
+    Runner r(cfg());
+    int a = r.new_conversation();
+    CHECK(greedy(r, a, g_cases[0]) == g_cases[0].hf);
+    PoolStats before = r.stats();
+    long rss0 = rss_kib();
+    ShrinkResult sr = r.shrink(0);
+    long rss1 = rss_kib();
+    PoolStats after = r.stats();
+    std::printf("    shrink(0): usable %d -> %d, %d used block(s) kept it up, released %lld bytes, RSS %ld -> %ld KiB\n",
+                sr.usable_before, sr.usable_after, sr.blocked_by_used, (long long)sr.released_bytes, rss0, rss1);
+    CHECK_EQ(sr.usable_after, before.used_blocks);  // lowest ids first: used blocks are 0..n-1
+    CHECK_EQ(sr.blocked_by_used, before.used_blocks);
+    CHECK_EQ(after.free_blocks, 0);
+    CHECK(sr.released_bytes > 0);
+    CHECK(after.committed_bytes < before.committed_bytes);
+    if (g_rss) CHECK(rss0 - rss1 >= sr.released_bytes / 1024 / 2);
+    // the conversation can still run inside its blocks, and exhaustion is an error, not a crash
+    std::string msg;
+    CHECK(code_of([&] { r.generate(a, std::vector<int32_t>(40, 5), 1, Sampling{}, nullptr); }, &msg) ==
+          ErrorCode::kPoolExhausted);
+    CHECK(msg.find("exhausted") != std::string::npos);
+    r.clear(a);
+    ShrinkResult sr2 = r.shrink(1);
+    CHECK_EQ(sr2.usable_after, 1);
+    CHECK_EQ(r.grow(before.usable_blocks), before.usable_blocks);
+    CHECK_EQ(r.stats().free_blocks, before.usable_blocks);
+    CHECK(greedy(r, a, g_cases[1]) == g_cases[1].hf);  // released pages come back zeroed and are rewritten
+    r.check_invariants();
+  });
+
+  s.run("budget_sizes_pool_and_exhaustion_is_an_error", [] {
+    int64_t per_block = Runner(cfg()).stats().bytes_per_block;
+    Runner r(cfg(per_block * 3));  // room for 3 blocks = 48 tokens
+    PoolStats st = r.stats();
+    CHECK_EQ(st.usable_blocks, 3);
+    CHECK(st.committed_bytes < st.reserved_bytes);
+    int a = r.new_conversation();
+    const Case& c = g_cases[0];  // prompt (39 tokens) + 24 new tokens > 48
+    std::vector<int32_t> streamed;
+    std::string msg;
+    ErrorCode code = code_of(
+        [&] {
+          r.generate(a, c.prompt_ids, static_cast<int>(c.hf.size()), Sampling{}, [&](int32_t id, const std::string&) {
+            streamed.push_back(id);
+            return true;
+          });
+        },
+        &msg);
+    std::printf("    %s\n", msg.c_str());
+    CHECK(code == ErrorCode::kPoolExhausted);
+    CHECK(!streamed.empty());
+    CHECK(std::equal(streamed.begin(), streamed.end(), c.hf.begin()));  // what came out was right
+    CHECK_EQ(r.stats().used_blocks, 3);
+    // a prompt that cannot fit is refused up front, nothing changes
+    int b = r.new_conversation();
+    CHECK(code_of([&] { r.generate(b, std::vector<int32_t>(40, 5), 4, Sampling{}, nullptr); }) ==
+          ErrorCode::kPoolExhausted);
+    CHECK_EQ(r.conversation_length(b), 0);
+    r.clear(a);
+    CHECK_EQ(r.stats().used_blocks, 0);
+    CHECK(r.generate(b, c.prompt_ids, 3, Sampling{}, nullptr) ==
+          std::vector<int32_t>(c.hf.begin(), c.hf.begin() + 3));
+    r.check_invariants();
+  });
+
+  s.run("clean_errors", [] {
+    std::string msg;
+    CHECK(code_of([] { Runner r(cfg(1000)); }, &msg) == ErrorCode::kArgument);
+    CHECK(msg.find("too small") != std::string::npos);
+    RunnerConfig bad = cfg();
+    bad.fail_allocation_at = 1;
+    CHECK(code_of([&] { Runner r(bad); }, &msg) == ErrorCode::kAllocation);
+    std::printf("    %s\n", msg.c_str());
+    RunnerConfig missing = cfg();
+    missing.artifacts_dir = g_fix + "/no-such-dir";
+    CHECK(code_of([&] { Runner r(missing); }, &msg) == ErrorCode::kArtifact);
+    Runner r(cfg());  // still fine after the failures
+    int a = r.new_conversation();
+    CHECK(code_of([&] { r.generate(a, {}, 4, Sampling{}, nullptr); }) == ErrorCode::kArgument);
+    CHECK(code_of([&] { r.generate(a, {1 << 30}, 4, Sampling{}, nullptr); }) == ErrorCode::kArgument);
+    CHECK(code_of([&] { r.generate(99, {5}, 4, Sampling{}, nullptr); }) == ErrorCode::kState);
+    CHECK(code_of([&] { for (int i = 0; i < 64; ++i) r.new_conversation(); }) == ErrorCode::kState);
+  });
+
+  s.run("sampling_is_seeded", [] {
+    Runner r(cfg());
+    Sampling sp;
+    sp.temperature = 0.8f;
+    sp.top_k = 40;
+    sp.top_p = 0.95f;
+    sp.seed = 7;
+    int a = r.new_conversation(), b = r.new_conversation();
+    auto x = r.generate(a, g_cases[0].prompt_ids, 12, sp, nullptr);
+    auto y = r.generate(b, g_cases[0].prompt_ids, 12, sp, nullptr);
+    CHECK(x == y);
+    for (int32_t id : x) CHECK(id >= 0 && id < r.tokenizer().vocab_size());
+  });
+
+  if (!g_tokens_out.empty()) {
+    std::ofstream f(g_tokens_out);
+    for (const auto& v : runner_tokens) f << show(v) << "\n";
+  }
+  return s.finish();
+}
