@@ -1,0 +1,295 @@
+"""Memory planning: how many tokens of KV cache fit in a RAM budget, per KV spec, and which
+allocations the paged pool needs compared with a contiguous fp16 cache.
+
+    result = plan("smollm2", parse_size("4GiB"), ["fp16", "default"])
+    print_plan(result)            # rich table; `pagedkv plan --json` prints `result`
+
+Everything here is exact byte arithmetic from toolkit.quant and toolkit.pool_layout:
+
+* paged pool: per layer three allocations (codes / scales / stage, `PoolLayout.layer_tensor_bytes`),
+  so the largest single allocation is one layer's codes tensor, never the whole cache;
+* contiguous fp16 cache: one [layers, 2, ctx, kv_heads, head_dim] fp16 buffer per conversation,
+  preallocated for the maximum context as engines do.
+
+MODEL is a HF model dir (only config.json is read), a .gguf file (only its metadata), "smollm2"
+(built-in dims, nothing is downloaded) or a tiny family name from toolkit.tiny_models.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from toolkit.errors import ArtifactError, SpecError
+from toolkit.fidelity import DEFAULT_SPECS, parse_spec
+from toolkit.pool_layout import VALID_BLOCK_SIZES, PoolLayout
+from toolkit.quant import KVQuantSpec, bytes_per_token, fp16_bytes_per_token, fp_stage_bytes_per_sequence
+
+DEFAULT_CTX = 8192
+
+
+# ----------------------------------------------------------------------------------------------
+# Sizes
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 2**10, "kib": 2**10, "kb": 10**3,
+    "m": 2**20, "mib": 2**20, "mb": 10**6,
+    "g": 2**30, "gib": 2**30, "gb": 10**9,
+    "t": 2**40, "tib": 2**40, "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int | float, what: str = "--ram") -> int:
+    """'4GiB' | '512MiB' | '1.5GB' | '300M' | 1024 -> bytes (int). KiB/MiB/GiB and bare K/M/G are
+    powers of 1024; KB/MB/GB are powers of 1000. Raises SpecError with the accepted forms."""
+    if isinstance(text, bool):
+        raise SpecError(f"{what} {text!r} is not a size: use e.g. 4GiB, 512MiB or 1.5GB.")
+    if isinstance(text, (int, float)):
+        value, unit = float(text), ""
+    else:
+        m = _SIZE_RE.match(str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise SpecError(
+                f"{what} {text!r} is not a size: write a number with a unit, e.g. 4GiB, 512MiB, 1.5GB "
+                "(KiB/MiB/GiB = 1024-based, KB/MB/GB = 1000-based, bare number = bytes)."
+            )
+        value, unit = float(m.group(1)), m.group(2).lower()
+    size = int(value * _UNITS[unit])
+    if size <= 0:
+        raise SpecError(f"{what} {text!r} is not a positive size: use e.g. 4GiB.")
+    return size
+
+
+def format_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+# ----------------------------------------------------------------------------------------------
+# Model dims
+
+
+@dataclass(frozen=True)
+class Dims:
+    """What memory planning needs from a model (the same fields as toolkit.compiler.ModelDims)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+
+# Dims of models we know without reading any file.
+KNOWN_DIMS: dict[str, Dims] = {
+    # SmolLM2-135M(-Instruct): llama, hidden 576 = 9 heads x 64, GQA with 3 KV heads.
+    "smollm2": Dims(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, vocab_size=49152),
+}
+
+
+def _dims_from_config(config) -> Dims:
+    from toolkit.compiler import model_dims  # imports transformers: only when a config is given
+
+    return Dims(**asdict(model_dims(config)))
+
+
+def load_dims(model: str | Path | None = None) -> Dims:
+    """Model dims from a known name, a tiny family name, a HF dir (config.json) or a .gguf (metadata)."""
+    name = "smollm2" if model is None else str(model)
+    if name in KNOWN_DIMS:
+        return KNOWN_DIMS[name]
+    from toolkit.tiny_models import TINY_CONFIGS
+
+    if name in TINY_CONFIGS:
+        from toolkit.tiny_models import tiny_config
+
+        return _dims_from_config(tiny_config(name))
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ArtifactError(f"{path} has no config.json: pass a HF model dir, a .gguf file, 'smollm2' "
+                                f"or a tiny family ({', '.join(TINY_CONFIGS)}).")
+        from transformers import AutoConfig
+
+        try:
+            return _dims_from_config(AutoConfig.from_pretrained(path))
+        except (OSError, ValueError, KeyError) as e:
+            raise ArtifactError(f"cannot read the config in {path}: {e}") from e
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from transformers import AutoConfig
+
+        try:
+            return _dims_from_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
+        except Exception as e:  # gguf/transformers raise many types on a bad file
+            raise ArtifactError(f"cannot read the GGUF metadata of {path}: {type(e).__name__}: {e}") from e
+    raise ArtifactError(
+        f"model {name!r} not found: pass a HF model dir (config.json), a .gguf file, 'smollm2', "
+        f"or a tiny family ({', '.join(TINY_CONFIGS)})."
+    )
+
+
+def as_dims(config_or_dims) -> Dims:
+    """Dims from a Dims/ModelDims-like object, a HF config, or a model name/path (see load_dims)."""
+    if config_or_dims is None or isinstance(config_or_dims, (str, Path)):
+        return load_dims(config_or_dims)
+    if isinstance(config_or_dims, Dims):
+        return config_or_dims
+    if all(hasattr(config_or_dims, f) for f in ("num_layers", "num_kv_heads", "head_dim")):
+        g = lambda f, d=0: int(getattr(config_or_dims, f, d) or d)  # noqa: E731
+        return Dims(g("num_layers"), g("num_heads", g("num_kv_heads")), g("num_kv_heads"), g("head_dim"),
+                    g("vocab_size"))
+    return _dims_from_config(config_or_dims)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pool sizing
+
+
+def pool_fixed_bytes(spec: KVQuantSpec, dims: Dims, block_size: int, max_seqs: int) -> int:
+    """Bytes of a pool that do not depend on its block count (scales placeholder of float pools,
+    stage rows), all layers: PoolLayout.total_bytes == num_blocks * block_size * bytes_per_token + this."""
+    one = PoolLayout(spec, dims.num_layers, dims.num_kv_heads, dims.head_dim, block_size, 1, max_seqs)
+    return one.total_bytes - block_size * one.bytes_per_token
+
+
+def blocks_for_budget(spec: KVQuantSpec, dims: Dims, budget_bytes: int, block_size: int = 16,
+                      max_seqs: int = 4) -> int:
+    """The most blocks whose whole pool (PoolLayout.total_bytes) fits in budget_bytes; 0 if none."""
+    bpt = bytes_per_token(spec, dims.num_kv_heads, dims.head_dim, dims.num_layers)
+    free = budget_bytes - pool_fixed_bytes(spec, dims, block_size, max_seqs)
+    return max(0, int(free // (bpt * block_size)))
+
+
+def pool_layout(spec: KVQuantSpec, dims: Dims, num_blocks: int, block_size: int = 16, max_seqs: int = 4) -> PoolLayout:
+    return PoolLayout(spec, dims.num_layers, dims.num_kv_heads, dims.head_dim, block_size, num_blocks, max_seqs)
+
+
+def contiguous_buffer_shape(dims: Dims, ctx: int) -> tuple[int, ...]:
+    return (dims.num_layers, 2, ctx, dims.num_kv_heads, dims.head_dim)
+
+
+def contiguous_buffer_bytes(dims: Dims, ctx: int) -> int:
+    """One fp16 [layers, 2, ctx, kv_heads, head_dim] buffer: what an engine preallocates per conversation."""
+    return ctx * fp16_bytes_per_token(dims.num_kv_heads, dims.head_dim, dims.num_layers)
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan
+
+
+def plan(config_or_dims=None, ram_bytes: int = 4 * 2**30, specs=None, block_size: int = 16,
+         max_seqs: int = 4, ctx: int = DEFAULT_CTX, model_name: str | None = None) -> dict:
+    """Per KV spec: exact bytes/token, fixed per-sequence fp16 stage bytes, tokens that fit in
+    ram_bytes, the pool's per-layer allocations and its largest single allocation; next to a
+    contiguous fp16 cache (one [layers,2,ctx,kv_heads,head_dim] buffer per conversation)."""
+    if isinstance(ram_bytes, str):
+        ram_bytes = parse_size(ram_bytes)
+    if not isinstance(ram_bytes, int) or ram_bytes <= 0:
+        raise SpecError(f"RAM budget {ram_bytes!r} is invalid: pass a positive byte count (e.g. 4GiB).")
+    if block_size not in VALID_BLOCK_SIZES:
+        raise SpecError(f"block size {block_size} is invalid: use 16 or 32 tokens per block.")
+    if max_seqs < 1:
+        raise SpecError(f"max_seqs={max_seqs}: allow at least one sequence.")
+    if ctx < 1:
+        raise SpecError(f"--ctx {ctx}: the maximum context must be at least 1 token.")
+    dims = as_dims(config_or_dims)
+    if model_name is None:
+        model_name = str(config_or_dims) if isinstance(config_or_dims, (str, Path)) else \
+            ("smollm2" if config_or_dims is None else type(config_or_dims).__name__)
+    L, H, D = dims.num_layers, dims.num_kv_heads, dims.head_dim
+    fp16_bpt = fp16_bytes_per_token(H, D, L)
+    contig_alloc = contiguous_buffer_bytes(dims, ctx)
+    contiguous = {
+        "name": "contiguous-fp16",
+        "bytes_per_token": fp16_bpt,
+        "tokens_fit": ram_bytes // fp16_bpt,
+        "buffer_shape": list(contiguous_buffer_shape(dims, ctx)),
+        "allocation_bytes": contig_alloc,
+        "largest_allocation_bytes": contig_alloc,
+        "conversations_fit": ram_bytes // contig_alloc,
+    }
+    rows = []
+    for item in specs or DEFAULT_SPECS:
+        name, spec = parse_spec(item)
+        spec.validate(D)
+        bpt = bytes_per_token(spec, H, D, L)
+        nb = blocks_for_budget(spec, dims, ram_bytes, block_size, max_seqs)
+        row = {
+            "name": name,
+            "layout": spec.describe(),
+            "bytes_per_token": bpt,
+            "vs_fp16": bpt / fp16_bpt,
+            "stage_bytes_per_sequence": fp_stage_bytes_per_sequence(spec, block_size, H, D, L),
+            "fixed_bytes": pool_fixed_bytes(spec, dims, block_size, max_seqs),
+            "num_blocks": nb,
+            "tokens_fit": nb * block_size,
+            "tokens_vs_contiguous": (nb * block_size) / contiguous["tokens_fit"] if contiguous["tokens_fit"] else 0.0,
+            "conversations_fit": (nb * block_size) // ctx,
+            "fits": nb > 0,
+        }
+        if nb > 0:
+            layout = pool_layout(spec, dims, nb, block_size, max_seqs)
+            assert layout.total_bytes <= ram_bytes
+            per_layer = layout.layer_tensor_bytes()
+            row.update(
+                pool_bytes=layout.total_bytes,
+                allocations_per_layer=per_layer,
+                allocation_count=len(per_layer) * L,
+                largest_allocation_bytes=layout.largest_allocation_bytes,
+            )
+        else:
+            row.update(pool_bytes=0, allocations_per_layer={}, allocation_count=0, largest_allocation_bytes=0)
+        rows.append(row)
+    return {
+        "model": model_name,
+        "dims": asdict(dims),
+        "ram_bytes": ram_bytes,
+        "block_size": block_size,
+        "max_seqs": max_seqs,
+        "ctx": ctx,
+        "contiguous_fp16": contiguous,
+        "specs": rows,
+    }
+
+
+def rich_table(result: dict):
+    from rich.table import Table
+
+    d = result["dims"]
+    c = result["contiguous_fp16"]
+    table = Table(
+        title=f"{result['model']} ({d['num_layers']} layers, {d['num_kv_heads']} KV heads x {d['head_dim']}): "
+        f"KV cache in {format_bytes(result['ram_bytes'])}, block {result['block_size']}, "
+        f"{result['max_seqs']} sequences, ctx {result['ctx']}"
+    )
+    for col in ("cache", "spec", "B/token", "vs fp16", "stage/seq", "tokens fit", "x contiguous",
+                "allocations", "per layer: codes / scales / stage", "largest alloc"):
+        table.add_column(col, justify="left" if col in ("cache", "spec") else "right")
+    shape = "x".join(str(s) for s in c["buffer_shape"])
+    table.add_row(
+        "contiguous", "fp16", str(c["bytes_per_token"]), "1.000x", "-", f"{c['tokens_fit']:,}", "1.00x",
+        "1 per chat", f"[{shape}] fp16", format_bytes(c["largest_allocation_bytes"]),
+    )
+    for r in result["specs"]:
+        per = r["allocations_per_layer"]
+        table.add_row(
+            "paged", r["name"], str(r["bytes_per_token"]), f"{r['vs_fp16']:.3f}x",
+            format_bytes(r["stage_bytes_per_sequence"]) if r["stage_bytes_per_sequence"] else "0",
+            f"{r['tokens_fit']:,}", f"{r['tokens_vs_contiguous']:.2f}x",
+            str(r["allocation_count"]) if per else "does not fit",
+            " / ".join(format_bytes(per[k]) for k in ("codes", "scales", "stage")) if per else "-",
+            format_bytes(r["largest_allocation_bytes"]),
+        )
+    return table
+
+
+__all__ = [
+    "DEFAULT_CTX", "DEFAULT_SPECS", "Dims", "KNOWN_DIMS", "as_dims", "blocks_for_budget", "contiguous_buffer_bytes",
+    "format_bytes", "load_dims", "parse_size", "plan", "pool_fixed_bytes", "pool_layout", "rich_table",
+]

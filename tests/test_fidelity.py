@@ -1,0 +1,99 @@
+"""Fidelity evaluation (PPL / KLD / top-1 vs the fp32 pool) on a tiny llama, and the `eval` CLI."""
+
+import json
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tests.test_model_loading import WORDS, save_tiny_hf_dir
+from toolkit.cli import app
+from toolkit.errors import PagedKVError, SpecError
+from toolkit.fidelity import evaluate_ids, parse_spec
+from toolkit.quant import PRESETS
+from toolkit.tiny_models import tiny_model
+
+KEYS = {"spec", "bytes_per_token_vs_fp16", "ppl", "ppl_increase_pct", "kld_mean", "top1_agreement"}
+
+
+@pytest.fixture(scope="module")
+def result():
+    torch.manual_seed(0)
+    ids = torch.randint(3, 512, (2 * 48 + 5,))
+    specs = ["fp16", "default", "q8_0-q4_0", "default:v_group=16,sink_blocks=0"]
+    return evaluate_ids(tiny_model("llama"), ids, ctx=48, specs=specs, windows=2, model_name="tiny", progress=False)
+
+
+def test_shape(result):
+    assert set(result) == {"model", "ctx", "results"}
+    assert result["model"] == "tiny" and result["ctx"] == 48
+    assert [r["spec"] for r in result["results"]] == [
+        "fp32", "fp16", "default", "q8_0-q4_0", "default:v_group=16,sink_blocks=0",
+    ]
+    for r in result["results"]:
+        assert set(r) == KEYS
+        assert all(math.isfinite(r[k]) for k in KEYS - {"spec"})
+    json.dumps(result)
+
+
+def test_reference_and_float_rows(result):
+    fp32, fp16 = result["results"][:2]
+    assert fp32["kld_mean"] == 0.0 and fp32["top1_agreement"] == 1.0 and fp32["ppl_increase_pct"] == 0.0
+    assert fp32["bytes_per_token_vs_fp16"] == 2.0 and fp16["bytes_per_token_vs_fp16"] == 1.0
+    assert 0.0 <= fp16["kld_mean"] < 1e-5
+    assert fp16["top1_agreement"] >= 0.99
+    assert abs(fp16["ppl_increase_pct"]) < 0.01
+
+
+def test_quantized_rows(result):
+    rows = {r["spec"]: r for r in result["results"]}
+    for name in ("default", "q8_0-q4_0", "default:v_group=16,sink_blocks=0"):
+        assert rows[name]["kld_mean"] > 0
+        assert rows[name]["bytes_per_token_vs_fp16"] < 0.5
+    # the tuned default beats the naive llama.cpp-style layout even on a random model
+    assert rows["default"]["kld_mean"] < rows["q8_0-q4_0"]["kld_mean"]
+    assert rows["default"]["bytes_per_token_vs_fp16"] == pytest.approx(0.4141, abs=1e-4)
+
+
+def test_parse_spec():
+    assert parse_spec("default") == ("default", PRESETS["default"])
+    name, spec = parse_spec("default:v_group=16, v_sym=true,sink_blocks=0")
+    assert spec == PRESETS["default"].replace(v_group=16, v_sym=True, sink_blocks=0)
+    with pytest.raises(SpecError, match="FIELD=VALUE"):
+        parse_spec("default:nope=1")
+    with pytest.raises(SpecError, match="unknown KV spec"):
+        parse_spec("k9v9")
+
+
+def test_errors():
+    model = tiny_model("llama")
+    with pytest.raises(PagedKVError, match="fewer than 2 window"):
+        evaluate_ids(model, list(range(3, 50)), ctx=32, specs=["default"], windows=2, progress=False)
+    with pytest.raises(SpecError, match="does not divide head_dim"):
+        evaluate_ids(model, list(range(3, 50)), ctx=32, specs=["default:v_group=48"], windows=1, progress=False)
+
+
+def test_cli_json(tmp_path):
+    save_tiny_hf_dir(tmp_path / "m")
+    gen = torch.Generator().manual_seed(1)
+    words = [WORDS[i] for i in torch.randint(0, len(WORDS), (200,), generator=gen)]
+    (tmp_path / "t.txt").write_text(" ".join(words))
+    args = ["eval", str(tmp_path / "m"), "--text", str(tmp_path / "t.txt"), "--ctx", "32", "--windows", "2",
+            "--spec", "fp16", "--spec", "k4v4", "--json"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)  # stdout holds the JSON object and nothing else
+    assert out["ctx"] == 32 and [r["spec"] for r in out["results"]] == ["fp32", "fp16", "k4v4"]
+    assert out["results"][2]["kld_mean"] > 0
+
+    res = CliRunner().invoke(app, args[:-1])  # the table
+    assert res.exit_code == 0 and "k4v4" in res.stdout and "KLD" in res.stdout
+
+
+def test_cli_errors(tmp_path):
+    (tmp_path / "t.txt").write_text("w1 w2")
+    res = CliRunner().invoke(app, ["eval", str(tmp_path / "missing"), "--text", str(tmp_path / "t.txt"), "--ctx", "8"])
+    assert res.exit_code == 2 and "does not exist" in " ".join(res.output.split())  # rich wraps lines
+    res = CliRunner().invoke(app, ["eval", "smollm2", "--text", str(tmp_path / "nope.txt"), "--ctx", "8"])
+    assert res.exit_code == 2 and "does not exist: pass --text" in " ".join(res.output.split())

@@ -1,0 +1,105 @@
+import pytest
+
+from runtime_sim.plan import (
+    DEFAULT_SPECS, KNOWN_DIMS, Dims, blocks_for_budget, load_dims, parse_size, plan, pool_fixed_bytes,
+)
+from toolkit.errors import ArtifactError, PagedKVError, SpecError
+from toolkit.pool_layout import PoolLayout
+from toolkit.quant import PRESETS, bytes_per_token, fp16_bytes_per_token, fp_stage_bytes_per_sequence
+
+SMOL = KNOWN_DIMS["smollm2"]
+
+
+def test_smollm2_dims():
+    assert load_dims("smollm2") == load_dims(None) == Dims(30, 9, 3, 64, 49152)
+
+
+@pytest.mark.parametrize("ram", [4 * 2**30, 512 * 2**20, 3 * 10**8 + 17])
+@pytest.mark.parametrize("block_size,max_seqs", [(16, 4), (32, 1)])
+def test_plan_matches_quant_and_pool_layout(ram, block_size, max_seqs):
+    r = plan(SMOL, ram, block_size=block_size, max_seqs=max_seqs)
+    assert [row["name"] for row in r["specs"]] == DEFAULT_SPECS
+    L, H, D = SMOL.num_layers, SMOL.num_kv_heads, SMOL.head_dim
+    for row in r["specs"]:
+        spec = PRESETS[row["name"]]
+        bpt = bytes_per_token(spec, H, D, L)
+        assert row["bytes_per_token"] == bpt
+        assert row["stage_bytes_per_sequence"] == fp_stage_bytes_per_sequence(spec, block_size, H, D, L)
+        assert row["vs_fp16"] == bpt / fp16_bytes_per_token(H, D, L)
+        nb = row["num_blocks"]
+        assert row["tokens_fit"] == nb * block_size
+        layout = PoolLayout(spec, L, H, D, block_size, nb, max_seqs)
+        # the most blocks that fit: nb fits, nb + 1 does not
+        assert layout.total_bytes <= ram
+        assert PoolLayout(spec, L, H, D, block_size, nb + 1, max_seqs).total_bytes > ram
+        assert layout.total_bytes == nb * block_size * bpt + row["fixed_bytes"]
+        assert row["pool_bytes"] == layout.total_bytes
+        assert row["allocations_per_layer"] == layout.layer_tensor_bytes()
+        assert row["allocation_count"] == 3 * L
+        assert row["largest_allocation_bytes"] == layout.largest_allocation_bytes
+        assert row["largest_allocation_bytes"] < layout.total_bytes / L + 1
+    c = r["contiguous_fp16"]
+    assert c["bytes_per_token"] == fp16_bytes_per_token(H, D, L) == 2 * 2 * D * H * L
+    assert c["tokens_fit"] == ram // c["bytes_per_token"]
+    assert c["buffer_shape"] == [L, 2, 8192, H, D]
+    assert c["allocation_bytes"] == c["largest_allocation_bytes"] == L * 2 * 8192 * H * D * 2
+
+
+def test_quantized_specs_hold_more_tokens():
+    rows = {row["name"]: row for row in plan("smollm2", "1GiB")["specs"]}
+    assert rows["default"]["tokens_fit"] / rows["fp16"]["tokens_fit"] == pytest.approx(1 / 0.4140625, rel=0.01)
+    assert rows["k4v4"]["tokens_fit"] > rows["default"]["tokens_fit"] > rows["et-int8"]["tokens_fit"] \
+        > rows["fp16"]["tokens_fit"]
+
+
+def test_budget_too_small_for_one_block():
+    r = plan(SMOL, 100_000, ["fp16", "default"])
+    for row in r["specs"]:
+        assert row["num_blocks"] == 0 and not row["fits"] and row["largest_allocation_bytes"] == 0
+    assert blocks_for_budget(PRESETS["default"], SMOL, pool_fixed_bytes(PRESETS["default"], SMOL, 16, 4)) == 0
+
+
+def test_spec_overrides_and_bad_specs():
+    row = plan(SMOL, "64MiB", ["default:v_bits=8"])["specs"][0]
+    assert row["bytes_per_token"] == bytes_per_token(PRESETS["default"].replace(v_bits=8), 3, 64, 30)
+    with pytest.raises(SpecError, match="unknown KV spec 'nope'"):
+        plan(SMOL, "64MiB", ["nope"])
+    with pytest.raises(SpecError, match="block size 8 is invalid"):
+        plan(SMOL, "64MiB", block_size=8)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("300M", 300 * 2**20),
+    ("2g", 2 * 2**30), ("64 KiB", 65536), ("1000", 1000), (" 0.5 gib ", 2**29), ("10kb", 10_000), (4096, 4096),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["4XB", "", "GiB", "-1GiB", "four gigs", "0", "0MiB", "1.2.3GB"])
+def test_parse_size_errors_are_clear(text):
+    with pytest.raises(SpecError, match=r"--ram .*(not a size|not a positive size).*e\.g\. 4GiB"):
+        parse_size(text)
+
+
+def test_unknown_model_is_clear(tmp_path):
+    with pytest.raises(ArtifactError, match="not found: pass a HF model dir"):
+        load_dims(str(tmp_path / "missing"))
+    with pytest.raises(ArtifactError, match="has no config.json"):
+        load_dims(str(tmp_path))
+    assert issubclass(ArtifactError, PagedKVError)
+
+
+def test_hf_dir_config(tmp_path):
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "llama", "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, '
+        '"num_hidden_layers": 3, "intermediate_size": 64, "vocab_size": 100}'
+    )
+    assert load_dims(str(tmp_path)) == Dims(3, 4, 2, 32, 100)
+    r = plan(str(tmp_path), "1MiB", ["fp16"])
+    assert r["specs"][0]["bytes_per_token"] == 2 * 2 * 32 * 2 * 3
+
+
+def test_tiny_family():
+    d = load_dims("qwen3")
+    assert (d.num_layers, d.num_kv_heads, d.head_dim) == (2, 2, 64)

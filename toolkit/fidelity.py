@@ -1,0 +1,265 @@
+"""How much a KV spec changes a model's predictions: perplexity, KL divergence and top-1 agreement
+against the unquantized pool, teacher-forced over windows of a text.
+
+    result = evaluate(model, tokenizer, text, ctx=512, specs=["default", "q8_0-q4_0"], windows=8)
+
+Method (the numbers in DESIGN.md were measured the same way):
+- tokenize the whole text without special tokens (no BOS) and cut `windows` consecutive,
+  non-overlapping windows of `ctx` tokens from the start;
+- run each window through the paged model in ONE call (positions 0..ctx-1, sequence 0, block
+  table 0..ctx/block_size-1), once per spec, with the pool zeroed before every call;
+- the reference is the unquantized "fp32" pool (always the first row; KLD 0, agreement 1);
+- over the ctx-1 positions of a window that have a next token: PPL = exp(mean NLL of the next
+  token), KLD(ref || spec) averaged over positions, top-1 = share of positions whose argmax
+  equals the reference's. All windows are pooled (PPL is over all their predictions).
+
+A spec is a preset name ("default", "q8_0-q4_0", ...) or a preset with field overrides,
+"default:v_group=16,v_sym=true" (fields of KVQuantSpec), which names the row as written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from toolkit.errors import PagedKVError, SpecError
+from toolkit.quant import KVQuantSpec, bytes_per_token, fp16_bytes_per_token, resolve_spec
+
+REFERENCE = "fp32"
+DEFAULT_SPECS = ["fp16", "q8_0-q4_0", "et-int8", "default", "best", "k4v4"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Spec names
+
+
+def parse_spec(text: str | KVQuantSpec | tuple) -> tuple[str, KVQuantSpec]:
+    """'default' | 'default:v_group=16,v_sym=true' | (name, KVQuantSpec) | KVQuantSpec -> (row name, spec)."""
+    if isinstance(text, tuple):
+        return text[0], text[1]
+    if isinstance(text, KVQuantSpec):
+        return text.describe(), text
+    base, _, overrides = text.partition(":")
+    spec = resolve_spec(base.strip())
+    if not overrides:
+        return text, spec
+    fields = {f.name: f.type for f in dataclasses.fields(KVQuantSpec)}
+    changes = {}
+    for item in overrides.split(","):
+        key, eq, value = (s.strip() for s in item.partition("="))
+        if key not in fields or not eq:
+            raise SpecError(
+                f"bad spec override '{item}' in '{text}': write FIELD=VALUE with FIELD one of {', '.join(fields)}."
+            )
+        if fields[key] in (bool, "bool"):
+            if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise SpecError(f"spec override {key}={value}: use true or false.")
+            changes[key] = value.lower() in ("1", "true", "yes")
+        else:
+            try:
+                changes[key] = int(value)
+            except ValueError:
+                raise SpecError(f"spec override {key}={value}: expected an integer.") from None
+    return text, spec.replace(**changes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation
+
+
+def tokenize(tokenizer, text: str) -> list[int]:
+    """The text's token ids, without BOS or any other special token."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _window_logits(paged, ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    t = ids.numel()
+    paged.reset_pool()
+    tables = torch.arange(paged.layout.num_blocks, dtype=torch.int64)[None, :]
+    with torch.no_grad():
+        logits = paged(ids[None], torch.arange(t, dtype=torch.int64), torch.zeros(t, dtype=torch.int64), tables)
+    return logits[0].float()
+
+
+def _model_name(model) -> str:
+    return str(getattr(model.config, "_name_or_path", "") or getattr(model.config, "model_type", "model"))
+
+
+def evaluate_ids(
+    model,
+    ids,
+    ctx: int,
+    specs: list,
+    windows: int,
+    block_size: int = 16,
+    model_name: str | None = None,
+    progress: bool = True,
+) -> dict:
+    """Like `evaluate`, on token ids already cut from a text (no tokenizer needed)."""
+    from toolkit.compiler import compile, model_dims  # heavy import (transformers)
+
+    ids = torch.as_tensor(ids, dtype=torch.int64).flatten()
+    if ctx < 2:
+        raise PagedKVError(f"--ctx {ctx} is too short: a window needs at least 2 tokens to predict one.")
+    if windows < 1:
+        raise PagedKVError(f"--windows {windows}: evaluate at least one window.")
+    if ids.numel() < ctx * windows:
+        raise PagedKVError(
+            f"the text has {ids.numel()} tokens, fewer than {windows} window(s) x ctx {ctx} = {ctx * windows}: "
+            "use a longer text, fewer --windows or a smaller --ctx."
+        )
+    max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if max_pos and ctx > max_pos:
+        raise PagedKVError(f"--ctx {ctx} exceeds the model's max_position_embeddings={max_pos}: use a smaller --ctx.")
+
+    rows = [parse_spec(REFERENCE)] + [parse_spec(s) for s in specs if s != REFERENCE]
+    names = [n for n, _ in rows]
+    if len(set(names)) != len(names):
+        raise SpecError(f"a spec is listed twice in {names}: list each once.")
+    dims = model_dims(model.config)
+    for name, spec in rows:
+        try:
+            spec.validate(dims.head_dim)
+        except SpecError as e:
+            raise SpecError(f"spec '{name}': {e}") from None
+    num_blocks = -(-ctx // block_size)
+    paged = {name: compile(model, spec, block_size=block_size, num_blocks=num_blocks, max_seqs=1) for name, spec in rows}
+
+    n = len(rows)
+    nll = torch.zeros(n, dtype=torch.float64)
+    kld = torch.zeros(n, dtype=torch.float64)
+    agree = torch.zeros(n, dtype=torch.float64)
+    count = 0
+    progress_bar = _progress(progress)
+    with progress_bar as bar:
+        task = bar.add_task("fidelity", total=n * windows) if bar else None
+        for w in range(windows):
+            window = ids[w * ctx : (w + 1) * ctx]
+            target = window[1:]
+            ref_logp = ref_top = None
+            for i, (name, _) in enumerate(rows):
+                if bar:
+                    bar.update(task, description=f"ctx {ctx} window {w + 1}/{windows} {name}")
+                logp = torch.log_softmax(_window_logits(paged[name], window, block_size)[:-1], dim=-1)
+                top = logp.argmax(-1)
+                nll[i] += float(-logp.gather(1, target[:, None]).sum(dtype=torch.float64))
+                if i == 0:
+                    ref_logp, ref_top = logp, top
+                    agree[0] += float(target.numel())
+                else:
+                    kld[i] += float((ref_logp.exp() * (ref_logp - logp)).sum(dtype=torch.float64))
+                    agree[i] += float((top == ref_top).sum())
+                del logp
+                if bar:
+                    bar.advance(task)
+            count += target.numel()
+            if bar and not bar.console.is_terminal:  # a log file gets one line per window instead of a bar
+                bar.console.print(f"ctx {ctx}: window {w + 1}/{windows} done, {bar.tasks[0].elapsed:.0f} s")
+
+    fp16 = fp16_bytes_per_token(dims.num_kv_heads, dims.head_dim, dims.num_layers)
+    ppl = torch.exp(nll / count)
+    results = []
+    for i, (name, spec) in enumerate(rows):
+        results.append(
+            {
+                "spec": name,
+                "bytes_per_token_vs_fp16": round(
+                    bytes_per_token(spec, dims.num_kv_heads, dims.head_dim, dims.num_layers) / fp16, 4
+                ),
+                "ppl": round(float(ppl[i]), 4),
+                "ppl_increase_pct": round(float((ppl[i] / ppl[0] - 1) * 100), 4),
+                "kld_mean": float(f"{float(kld[i] / count):.6g}"),
+                "top1_agreement": round(float(agree[i] / count), 5),
+            }
+        )
+    return {"model": model_name or _model_name(model), "ctx": ctx, "results": results}
+
+
+def evaluate(
+    model,
+    tokenizer,
+    text: str,
+    ctx: int,
+    specs: list,
+    windows: int,
+    block_size: int = 16,
+    model_name: str | None = None,
+    progress: bool = True,
+) -> dict:
+    """Teacher-forced fidelity of each KV spec vs the fp32 pool over `windows` windows of `ctx` tokens.
+
+    Returns {"model", "ctx", "results": [{"spec", "bytes_per_token_vs_fp16", "ppl", "ppl_increase_pct",
+    "kld_mean", "top1_agreement"}, ...]} with the "fp32" reference row first.
+    """
+    ids = tokenize(tokenizer, text)
+    return evaluate_ids(model, ids, ctx, specs, windows, block_size, model_name, progress)
+
+
+class _NoProgress:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return _NoProgress()
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TimeRemainingColumn(), console=Console(stderr=True), transient=False,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Presentation
+
+
+COLUMNS = ("spec", "bytes_per_token_vs_fp16", "ppl", "ppl_increase_pct", "kld_mean", "top1_agreement")
+HEADERS = ("spec", "bytes vs fp16", "PPL", "PPL +%", "KLD", "top-1")
+
+
+def format_row(r: dict) -> list[str]:
+    return [
+        r["spec"],
+        f"{r['bytes_per_token_vs_fp16']:.3f}x",
+        f"{r['ppl']:.3f}",
+        f"{r['ppl_increase_pct']:+.3f}%",
+        f"{r['kld_mean']:.5f}",
+        f"{100 * r['top1_agreement']:.2f}%",
+    ]
+
+
+def rich_table(result: dict, title: str | None = None):
+    from rich.table import Table
+
+    table = Table(title=title or f"{result['model']} - ctx {result['ctx']}")
+    for h in HEADERS:
+        table.add_column(h, justify="left" if h == "spec" else "right")
+    for r in result["results"]:
+        table.add_row(*format_row(r))
+    return table
+
+
+def markdown_table(result: dict) -> str:
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "|".join(["---"] + ["---:"] * (len(HEADERS) - 1)) + "|"]
+    lines += ["| " + " | ".join(format_row(r)) + " |" for r in result["results"]]
+    return "\n".join(lines)
+
+
+def timed_evaluate(*args, **kwargs) -> tuple[dict, float]:
+    t0 = time.perf_counter()
+    out = evaluate(*args, **kwargs)
+    return out, time.perf_counter() - t0
+
+
+__all__ = [
+    "DEFAULT_SPECS", "REFERENCE", "evaluate", "evaluate_ids", "markdown_table", "parse_spec", "rich_table",
+    "tokenize", "timed_evaluate",
+]
