@@ -11,7 +11,7 @@ from rich.console import Console
 from export.manifest import sha256_file, update_manifest
 from toolkit.compiler import compile, model_dims
 from toolkit.errors import PagedKVError, SpecError
-from toolkit.pool_layout import PoolLayout
+from toolkit.pool_layout import PoolLayout, check_block_size
 from toolkit.quant import KVQuantSpec, bytes_per_token, fp_stage_bytes_per_sequence, resolve_spec
 
 FORMATS = ("onnx", "pte")
@@ -90,8 +90,9 @@ def export_artifacts(
         raise PagedKVError(f"--onnx-weights {onnx_weights}: use one of {', '.join(ONNX_WEIGHTS)}.")
     if pte_weights not in PTE_WEIGHTS:
         raise PagedKVError(f"--pte-weights {pte_weights}: use one of {', '.join(PTE_WEIGHTS)}.")
-    spec = resolve_spec(spec)
+    spec = resolve_spec(spec).validate()
     pool = pool or PoolRequest()
+    check_block_size(pool.block_size)  # cheap checks before the (slow) model load
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 

@@ -26,6 +26,11 @@ from toolkit.quant import KVQuantSpec, bytes_per_token, fp_stage_bytes_per_seque
 VALID_BLOCK_SIZES = (16, 32)
 
 
+def check_block_size(block_size: int) -> None:
+    if block_size not in VALID_BLOCK_SIZES:
+        raise SpecError(f"block size {block_size} is invalid: use 16 or 32 tokens per block.")
+
+
 @dataclass(frozen=True)
 class PoolLayout:
     spec: KVQuantSpec
@@ -37,8 +42,7 @@ class PoolLayout:
     max_seqs: int
 
     def __post_init__(self):
-        if self.block_size not in VALID_BLOCK_SIZES:
-            raise SpecError(f"block size {self.block_size} is invalid: use 16 or 32 tokens per block.")
+        check_block_size(self.block_size)
         if self.num_blocks < 1:
             raise SpecError(f"num_blocks={self.num_blocks}: the pool needs at least one block.")
         if self.max_seqs < 1:

@@ -61,3 +61,20 @@ def tiny_model(family: str, seed: int = 0, attn_implementation: str = "eager", n
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
     return model.eval()
+
+
+def tiny_bpe_tokenizer(lines: list[str], vocab_size: int = 512):
+    """A GPT-2 style byte-level BPE (ByteLevel pre-tokenizer + decoder) trained on `lines`, as a
+    transformers PreTrainedTokenizerFast with <pad>=0, <s>=1, </s>=2 like the tiny models' config."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(lines, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")

@@ -26,20 +26,10 @@ def wiki_lines(limit: int | None = None) -> list[str]:
 
 
 def tiny_bpe_tokenizer(vocab_size: int = 512):
-    """A GPT-2 style byte-level BPE (ByteLevel pre-tokenizer + decoder) trained on wikitext, as a
-    transformers PreTrainedTokenizerFast with <pad>=0, <s>=1, </s>=2 like the tiny models' config."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """The tiny models' byte-level BPE, trained on the first 3000 wikitext lines."""
+    from toolkit.tiny_models import tiny_bpe_tokenizer as train
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )
-    tok.train_from_iterator(wiki_lines(3000), trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    return train(wiki_lines(3000), vocab_size)
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:

@@ -1,0 +1,121 @@
+"""The `pagedkv` command line end to end (real subprocesses) and its bad-input errors."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from export.artifacts import PoolRequest, export_artifacts
+from toolkit.tiny_models import tiny_bpe_tokenizer, tiny_model
+
+REPO = Path(__file__).resolve().parent.parent
+WIKI = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+PAGEDKV = [sys.executable, "-m", "toolkit.cli"]
+
+
+def pagedkv(*args, stdin=None, env=None, check=True):
+    proc = subprocess.run(
+        PAGEDKV + [str(a) for a in args], input=stdin, capture_output=True, text=True, timeout=300,
+        cwd=REPO, env={**os.environ, "COLUMNS": "200", **(env or {})},
+    )
+    if check:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory):
+    lines = [ln for ln in WIKI.read_text(encoding="utf-8").splitlines() if ln.strip()][:2000]
+    out = tmp_path_factory.mktemp("cli") / "tiny"
+    export_artifacts("tiny-llama", out, ("onnx", "pte"), "default", PoolRequest(pool_tokens=512, max_seqs=3),
+                     max_tokens_per_call=32, model_and_tokenizer=(tiny_model("llama"), tiny_bpe_tokenizer(lines)))
+    return out
+
+
+def copy_of(art, tmp_path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(art, dst)
+    return dst
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "executorch"])
+def test_run_json(art, backend):
+    out = json.loads(pagedkv("run", art, "--prompt", "The tower is", "-n", "8", "--json", "--backend", backend).stdout)
+    assert out["stats"]["used_blocks"] >= 1 and out["stats"]["decode_tok_s"] > 0
+    assert isinstance(out["text"], str) and out["text"]
+
+
+def test_chat_commands_in_a_subprocess(art):
+    typed = "hello there\n/stats\n/new\nsecond chat\n/stats\n/clear\n/stats\n/quit\n"
+    proc = pagedkv("chat", art, "-n", "6", stdin=typed)
+    text = proc.stdout + proc.stderr
+    assert "[conversation 2]" in text and "[cleared]" in text
+    used = [int(x.split("/")[0]) for x in text.split("blocks used ")[1:]]
+    assert len(used) == 3 and used[0] >= 1 and used[1] > used[0] and used[2] < used[1]
+
+
+def test_tampered_artifact_is_rejected(art, tmp_path):
+    bad = copy_of(art, tmp_path)
+    data = bytearray((bad / "model.onnx").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (bad / "model.onnx").write_bytes(bytes(data))
+    proc = pagedkv("run", bad, "--prompt", "hi", check=False)
+    assert proc.returncode == 2 and "corrupted or was modified" in proc.stderr
+
+
+def test_truncated_pte_is_rejected(art, tmp_path):
+    bad = copy_of(art, tmp_path)
+    pte = bad / "model.pte"
+    pte.write_bytes(pte.read_bytes()[:1000])
+    proc = pagedkv("run", bad, "--prompt", "hi", "--backend", "executorch", check=False)
+    assert proc.returncode == 2 and "corrupted or was modified" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda m: m["versions"].update(executorch="0.9.0"), "exported with executorch 0.9.0 but 1.5.1 is installed"),
+        (lambda m: m.update(format_version=99), "format_version 99"),
+        (lambda m: m["artifacts"]["onnx"].update(sha256="0" * 64), "does not match the manifest"),
+        (lambda m: m.pop("pool"), "pool section is incomplete"),
+    ],
+    ids=["versions", "format", "hash", "pool"],
+)
+def test_wrong_manifest_is_rejected(art, tmp_path, edit, needle):
+    bad = copy_of(art, tmp_path)
+    m = json.loads((bad / "pagedkv.json").read_text())
+    edit(m)
+    (bad / "pagedkv.json").write_text(json.dumps(m))
+    proc = pagedkv("run", bad, "--prompt", "hi", check=False)
+    assert proc.returncode == 2 and needle in " ".join(proc.stderr.split()), proc.stderr
+
+
+def test_missing_kernel_library_says_how_to_build_it(art, tmp_path):
+    env = {"PAGEDKV_BUILD_DIR": str(tmp_path / "no-build")}
+    proc = pagedkv("run", art, "--prompt", "hi", "--backend", "executorch", env=env, check=False)
+    assert proc.returncode == 2 and "run `make native`" in " ".join(proc.stderr.split())
+    proc = pagedkv("run", art, "--prompt", "hi", "--native", env=env, check=False)
+    assert proc.returncode == 2 and "libpagedkv_ort.so is missing" in " ".join(proc.stderr.split())
+
+
+def test_export_of_model_dir_without_weights(tmp_path):
+    d = tmp_path / "noweights"
+    tiny_model("llama").config.save_pretrained(d)
+    proc = pagedkv("export", d, "--out", tmp_path / "out", check=False)
+    assert proc.returncode == 2 and "no *.safetensors" in " ".join(proc.stderr.split())
+    assert not (tmp_path / "out" / "model.onnx").exists()
+
+
+def test_export_rejects_bad_spec_and_block_size(tmp_path):
+    d = tmp_path / "m"
+    tiny_model("llama").save_pretrained(d)
+    lines = [ln for ln in WIKI.read_text(encoding="utf-8").splitlines() if ln.strip()][:200]
+    tiny_bpe_tokenizer(lines).save_pretrained(d)
+    proc = pagedkv("export", d, "--out", tmp_path / "o", "--group", "48", check=False)
+    assert proc.returncode == 2 and "does not divide head_dim=64" in " ".join(proc.stderr.split())
+    proc = pagedkv("export", d, "--out", tmp_path / "o", "--block-size", "0", check=False)
+    assert proc.returncode == 2 and "block size 0 is invalid" in " ".join(proc.stderr.split())
