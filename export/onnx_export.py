@@ -18,6 +18,7 @@ import torch
 from onnx import helper
 
 from toolkit.compiler import FunctionalPagedModel, PagedModel
+from toolkit.errors import SpecError
 from toolkit.paged_attention import SCALAR_ARG_NAMES, reference_paged_attention
 from toolkit.pool_layout import PoolLayout
 
@@ -73,6 +74,11 @@ class _ReferenceForExport(torch.nn.Module):
         )
 
 
+def _pool_dims(layout: PoolLayout, nb) -> tuple:
+    """Dynamic-shape specs of one layer's (codes, scales, stage): the block count is dynamic."""
+    return ({0: nb}, None if layout.spec.is_float else {0: nb}, None)
+
+
 def _example_op_inputs(layout: PoolLayout, num_heads: int, t: int = 3):
     codes, scales, stage = layout.allocate_layer()
     hkv, d = layout.num_kv_heads, layout.head_dim
@@ -90,7 +96,9 @@ def fallback_function(layout: PoolLayout, num_heads: int) -> tuple[onnx.Function
 
     Returns (function, helper functions the body calls)."""
     t, m = torch.export.Dim("T", min=1), torch.export.Dim("M", min=1)
-    dyn = ({2: t}, {2: t}, {2: t}, None, None, None, {0: t}, {0: t}, {1: m}, None, None, None, None)
+    nb = torch.export.Dim("NB", min=2)
+    pool_dims = _pool_dims(layout, nb)
+    dyn = ({2: t}, {2: t}, {2: t}, *pool_dims, {0: t}, {0: t}, {1: m}, None, None, None, None)
     prog = torch.onnx.export(
         _ReferenceForExport(layout), _example_op_inputs(layout, num_heads), dynamo=True, dynamic_shapes=dyn,
         opset_version=OPSET, verbose=False,
@@ -141,14 +149,18 @@ def export_onnx(paged: PagedModel, path: Path, progress=None) -> dict:
     """Write the .onnx file; returns its manifest entry (without sha256)."""
     register_schema()
     layout = paged.layout
+    if layout.num_blocks < 2:
+        raise SpecError(f"a pool of {layout.num_blocks} block cannot be exported: use at least 2 blocks.")
     fmodel = FunctionalPagedModel(paged).eval()
     t, m = torch.export.Dim("T", min=1), torch.export.Dim("M", min=1)
+    nb = torch.export.Dim("NB", min=2)
     pools = [x for trio in paged.pool_tensors() for x in trio]
     example = (
         torch.zeros(1, 3, dtype=torch.int64), torch.arange(3), torch.zeros(3, dtype=torch.int64),
         torch.zeros(layout.max_seqs, 2, dtype=torch.int64), *pools,
     )
-    dyn = ({1: t}, {0: t}, {0: t}, {1: m}, tuple(None for _ in pools))  # *pools is one varargs entry
+    # *pools is one varargs entry; the number of blocks stays dynamic so a runtime can size its pool
+    dyn = ({1: t}, {0: t}, {0: t}, {1: m}, tuple(_pool_dims(layout, nb) * layout.num_layers))
     inputs, outputs = io_names(layout.num_layers)
     t0 = time.time()
     with torch.no_grad():

@@ -8,11 +8,13 @@ laid out exactly as the manifest says, and loads the tokenizer saved next to the
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from export.manifest import layout_from_manifest, read_manifest, verify_artifact
 from runtime_sim.engine import Engine
 from toolkit.errors import PagedKVError
+from toolkit.pool_layout import PoolLayout
 
 BACKENDS = ("onnxruntime", "executorch", "torch")
 
@@ -25,8 +27,43 @@ def load_tokenizer(art_dir: Path, manifest: dict):
     return AutoTokenizer.from_pretrained(str(art_dir))
 
 
-def make_backend(art_dir: Path, manifest: dict, backend: str, native: bool | None = None, threads: int = 0):
+def available_ram_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise PagedKVError("cannot read MemAvailable from /proc/meminfo: give --pool-mb instead of --pool-fraction.")
+
+
+def sized_layout(layout: PoolLayout, pool_mb: float | None, pool_fraction: float | None) -> PoolLayout:
+    """The pool to allocate at startup: a byte budget (MiB or a fraction of available RAM), never more
+    blocks than the export was made for (so no allocation exceeds the manifest's maximum)."""
+    if pool_mb is None and pool_fraction is None:
+        return layout
+    if pool_mb is not None and pool_fraction is not None:
+        raise PagedKVError("give either --pool-mb or --pool-fraction, not both.")
+    if pool_fraction is not None and not 0 < pool_fraction <= 1:
+        raise PagedKVError(f"--pool-fraction {pool_fraction} must be in (0, 1].")
+    budget = pool_mb * 2**20 if pool_mb is not None else pool_fraction * available_ram_bytes()
+    per_block = layout.bytes_per_token * layout.block_size
+    fixed = layout.stage_bytes_per_sequence * layout.max_seqs
+    blocks = min(layout.num_blocks, int((budget - fixed) // per_block))
+    if blocks < 2:
+        raise PagedKVError(
+            f"a pool budget of {budget / 2**20:.2f} MiB holds fewer than 2 blocks of {layout.block_size} tokens "
+            f"({per_block} B each, plus {fixed} B of fp16 tail/sink rows): raise it."
+        )
+    return replace(layout, num_blocks=blocks)
+
+
+def make_backend(art_dir: Path, manifest: dict, backend: str, native: bool | None = None, threads: int = 0,
+                 pool_mb: float | None = None, pool_fraction: float | None = None):
     layout = layout_from_manifest(manifest)
+    if backend == "executorch" and (pool_mb is not None or pool_fraction is not None):
+        raise PagedKVError(
+            "the executorch backend's pool size is fixed when the model is exported (--pool-tokens / --pool-mb of "
+            "`pagedkv export`); --pool-mb / --pool-fraction at run time need the onnxruntime or torch backend."
+        )
+    layout = sized_layout(layout, pool_mb, pool_fraction)
     if backend == "onnxruntime":
         from runtime_sim.backends import OrtBackend
 
@@ -51,12 +88,15 @@ def make_backend(art_dir: Path, manifest: dict, backend: str, native: bool | Non
 
 
 def open_artifacts(art_dir, backend: str = "onnxruntime", native: bool | None = None, threads: int = 0,
-                   prefill_chunk: int | None = None) -> Engine:
+                   prefill_chunk: int | None = None, pool_mb: float | None = None,
+                   pool_fraction: float | None = None, policy: str = "error") -> Engine:
     art_dir = Path(art_dir)
     manifest = read_manifest(art_dir)
-    be = make_backend(art_dir, manifest, backend, native=native, threads=threads)
+    be = make_backend(art_dir, manifest, backend, native=native, threads=threads, pool_mb=pool_mb,
+                      pool_fraction=pool_fraction)
     chunk = prefill_chunk or manifest.get("artifacts", {}).get("pte", {}).get("max_tokens_per_call", 64)
-    engine = Engine(be, load_tokenizer(art_dir, manifest), prefill_chunk=min(chunk, 64))
+    engine = Engine(be, load_tokenizer(art_dir, manifest), prefill_chunk=min(chunk, 64), policy=policy,
+                    sink_blocks=max(1, be.layout.spec.sink_blocks))
     engine.manifest = manifest
     engine.stop_ids = tuple(manifest["model"].get("eos_token_ids", []))
     return engine

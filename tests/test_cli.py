@@ -119,3 +119,17 @@ def test_export_rejects_bad_spec_and_block_size(tmp_path):
     assert proc.returncode == 2 and "does not divide head_dim=64" in " ".join(proc.stderr.split())
     proc = pagedkv("export", d, "--out", tmp_path / "o", "--block-size", "0", check=False)
     assert proc.returncode == 2 and "block size 0 is invalid" in " ".join(proc.stderr.split())
+
+
+def test_runtime_pool_budget_and_policies(art):
+    # the ONNX pool's block count is dynamic: a smaller pool is allocated at startup from --pool-mb
+    out = json.loads(pagedkv("run", art, "--prompt", "The tower is", "-n", "4", "--json", "--pool-mb", "0.2").stdout)
+    assert out["stats"]["total_blocks"] == 16 and out["stats"]["pool_bytes"] < 0.2 * 2**20
+    long_prompt = " ".join(["the tower is tall"] * 80)
+    proc = pagedkv("run", art, "--prompt", long_prompt, "-n", "4", "--pool-mb", "0.12", check=False)
+    assert proc.returncode == 2 and "KV block pool exhausted" in " ".join(proc.stderr.split())
+    out = json.loads(pagedkv("run", art, "--prompt", long_prompt, "-n", "40", "--json", "--pool-mb", "0.12",
+                             "--policy", "sliding").stdout)
+    assert out["stats"]["used_blocks"] <= out["stats"]["total_blocks"]
+    proc = pagedkv("run", art, "--prompt", "x", "--backend", "executorch", "--pool-mb", "1", check=False)
+    assert proc.returncode == 2 and "fixed when the model is exported" in " ".join(proc.stderr.split())

@@ -172,6 +172,10 @@ def run(
     native: Optional[bool] = typer.Option(None, "--native/--fallback",
                                           help="ORT: use the native kernel library (default: if built)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object (text + stats) instead."),
+    pool_mb: Optional[float] = typer.Option(None, help="Pool budget in MiB, allocated at startup (onnxruntime/torch; "
+                                            "at most the exported pool)."),
+    pool_fraction: Optional[float] = typer.Option(None, help="Pool budget as a fraction of available RAM."),
+    policy: str = typer.Option("error", help="When the pool is full: error, evict (LRU chat) or sliding."),
 ):
     """Answer one prompt with the exported model, streaming the text, then print pool stats."""
     import json as _json
@@ -179,7 +183,8 @@ def run(
     from runtime_sim.chat import ChatSession
     from runtime_sim.session import open_artifacts
 
-    engine = open_artifacts(artifacts, backend, native=native)
+    engine = open_artifacts(artifacts, backend, native=native, pool_mb=pool_mb, pool_fraction=pool_fraction,
+                            policy=policy)
     chat = ChatSession(engine)
     pieces = []
     for piece in chat.send(prompt, max_new_tokens, _sampling(temperature, top_k, top_p, seed)):
@@ -214,12 +219,16 @@ def chat(
     top_p: float = typer.Option(1.0),
     seed: Optional[int] = typer.Option(None),
     system: Optional[str] = typer.Option(None, help="System prompt."),
+    pool_mb: Optional[float] = typer.Option(None, help="Pool budget in MiB, allocated at startup (onnxruntime/torch; "
+                                            "at most the exported pool)."),
+    pool_fraction: Optional[float] = typer.Option(None, help="Pool budget as a fraction of available RAM."),
+    policy: str = typer.Option("error", help="When the pool is full: error, evict (LRU chat) or sliding."),
 ):
     """Interactive chat. Commands: /clear (free this chat's blocks), /stats, /new (another chat), /quit."""
     from runtime_sim.chat import ChatSession
     from runtime_sim.session import open_artifacts
 
-    engine = open_artifacts(artifacts, backend)
+    engine = open_artifacts(artifacts, backend, pool_mb=pool_mb, pool_fraction=pool_fraction, policy=policy)
     sessions = [ChatSession(engine, system)]
     cur = sessions[0]
     sampling = _sampling(temperature, top_k, top_p, seed)
