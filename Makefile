@@ -22,7 +22,7 @@ demo: venv native
 	$(BIN)/python -m toolkit.demo
 
 pytest: venv native
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 test: venv native-test pytest
 

@@ -23,7 +23,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # errors stay one line, whatever the width
 
 
 @app.callback()
