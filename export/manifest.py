@@ -13,12 +13,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from toolkit.errors import ArtifactError
+from toolkit.model_loading import sha256_file  # noqa: F401  (re-exported for the exporters)
 from toolkit.pool_layout import PoolLayout
 
 MANIFEST_NAME = "pagedkv.json"
@@ -36,14 +36,6 @@ def package_versions() -> dict[str, str]:
         except PackageNotFoundError:
             out[name] = "missing"
     return out
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_manifest(art_dir: Path) -> dict:

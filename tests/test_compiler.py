@@ -4,27 +4,18 @@ import math
 
 import pytest
 import torch
+
 from transformers import AttentionInterface
 
 from toolkit.compiler import compile, model_dims, preflight
 from toolkit.errors import UnsupportedModelError
 from toolkit.quant import PRESETS, fake_quantize, hadamard
 from toolkit.tiny_models import TINY_CONFIGS, tiny_config, tiny_model
+from tests.helpers import hf_greedy
 
 FAMILIES = list(TINY_CONFIGS)
 BS = 16
 
-
-def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
-    """Plain greedy decoding with HF's own KV cache (no generate(): its EOS handling would interfere)."""
-    out, ids, cache = [], torch.tensor([prompt]), None
-    with torch.no_grad():
-        for _ in range(steps):
-            res = model(ids, past_key_values=cache, use_cache=True)
-            cache = res.past_key_values
-            out.append(int(res.logits[0, -1].argmax()))
-            ids = torch.tensor([[out[-1]]])
-    return out
 
 
 def paged_greedy_batch(paged, prompts: list[list[int]], steps: int, first_chunk: int) -> list[list[int]]:

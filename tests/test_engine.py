@@ -1,26 +1,16 @@
 """The runtime engine on the torch backend: greedy parity, conversations, pool policies."""
 
 import pytest
-import torch
 
 from runtime_sim.backends import TorchBackend
 from runtime_sim.engine import Engine
 from toolkit.compiler import compile
 from toolkit.errors import PagedKVError, PoolExhausted
 from toolkit.tiny_models import tiny_model
+from tests.helpers import hf_greedy
 
 PROMPT = list(range(3, 40))
 
-
-def hf_greedy(model, prompt, steps):
-    out, ids, cache = [], torch.tensor([prompt]), None
-    with torch.no_grad():
-        for _ in range(steps):
-            res = model(ids, past_key_values=cache, use_cache=True)
-            cache = res.past_key_values
-            out.append(int(res.logits[0, -1].argmax()))
-            ids = torch.tensor([[out[-1]]])
-    return out
 
 
 def engine(num_blocks=16, max_seqs=3, spec="fp32", **kw):

@@ -5,7 +5,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from export.artifacts import PoolRequest, export_artifacts
 from runtime_sim.backends import TorchBackend
@@ -13,22 +12,13 @@ from runtime_sim.engine import Engine
 from runtime_sim.session import open_artifacts
 from toolkit.compiler import compile
 from toolkit.tiny_models import tiny_model
+from tests.helpers import hf_greedy
 
 FAMILIES = ["llama", "qwen3", "gemma3"]
 BACKENDS = [("onnxruntime", False), ("onnxruntime", True), ("executorch", None)]
 BACKEND_IDS = ["ort-fallback", "ort-native", "executorch"]
 PROMPT = list(range(5, 42))
 
-
-def hf_greedy(model, prompt, steps):
-    out, ids, cache = [], torch.tensor([prompt]), None
-    with torch.no_grad():
-        for _ in range(steps):
-            res = model(ids, past_key_values=cache, use_cache=True)
-            cache = res.past_key_values
-            out.append(int(res.logits[0, -1].argmax()))
-            ids = torch.tensor([[out[-1]]])
-    return out
 
 
 def _export(tmp_path_factory, family, spec, num_layers):

@@ -28,7 +28,7 @@ from toolkit.errors import PagedKVError, SpecError
 from toolkit.quant import KVQuantSpec, bytes_per_token, fp16_bytes_per_token, resolve_spec
 
 REFERENCE = "fp32"
-DEFAULT_SPECS = ["fp16", "q8_0-q4_0", "et-int8", "default", "best", "k4v4"]
+DEFAULT_SPECS = ["fp16", "q8_0-q4_0", "et-int8", "default", "best", "k4v4", "k5v4"]
 
 
 # ----------------------------------------------------------------------------------------------

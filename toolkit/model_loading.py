@@ -88,7 +88,7 @@ def smollm2_gguf_path() -> Path:
 # Loading
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -151,7 +151,7 @@ def _check_gguf_magic(path: Path) -> None:
 
 def converted_gguf_dir(path: Path) -> Path:
     """Where the fp32 safetensors copy of a GGUF lives (keyed by the GGUF's sha256)."""
-    return cache_dir() / "gguf-fp32" / _sha256(path)[:16]
+    return cache_dir() / "gguf-fp32" / sha256_file(path)[:16]
 
 
 def _forget_quantization(model) -> None:

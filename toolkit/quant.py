@@ -123,6 +123,8 @@ PRESETS: dict[str, KVQuantSpec] = {
     "best": KVQuantSpec(7, 5, 64, 32, True, False, True, True, 1),
     # 4-bit K and V, symmetric, for the tightest memory budget (~0.28x fp16).
     "k4v4": KVQuantSpec(4, 4, 32, 32, True, True, True, True, 1),
+    # 5-bit K, 4-bit V (~0.30x fp16): at low bits the key error dominates, one more K bit fixes most of it.
+    "k5v4": KVQuantSpec(5, 4, 64, 64, True, True, True, True, 1),
     # Comparators: llama.cpp q8_0 K + q4_0 V (blocks of 32 along head_dim, one fp16 scale)...
     "q8_0-q4_0": KVQuantSpec(8, 4, 32, 32, True, True, False, False, 0),
     # ...and ExecuTorch's quantized KV cache: int8 per-token asymmetric K and V.
