@@ -214,6 +214,14 @@ def test_ort_random(spec, hkv, ratio, d, bs, lens, chunk, window, softcap, sinks
 
 
 @needs_ort
+@pytest.mark.parametrize("spec,window,sinks", [("default", 0, False), ("q8_0-q4_0", 100, True)])
+def test_ort_long_decode_split_k(spec, window, sinks):
+    """Single-token decode over 8+ blocks takes the split-K path (parts merged at the end)."""
+    sc = Scenario(PRESETS[spec], hq=6, hkv=2, d=64, bs=16, lens=[150], chunk=1, window=window, sinks=sinks, seed=7)
+    _run_ort(sc)
+
+
+@needs_ort
 def test_ort_generic_bits():
     for kb, vb, ks, vs in ((6, 5, True, False), (3, 2, False, True), (7, 8, True, True)):
         spec = KVQuantSpec(kb, vb, 32, 16, ks, vs, True, True, 1)

@@ -8,14 +8,24 @@
 //   void f16_to_f32(const uint16_t* h, float* out, int n);
 //   void unpack4(const uint8_t* codes, int n, uint8_t* out);  // 4-bit LSB-first -> bytes
 //   void dequant_u8(const uint8_t* u, const uint16_t* meta, int d, int group, bool sym, int bits, float* out);
-//   float key_dot_q8(...) optional fast path, selected with Ops::kHasQ8Dot
-// Dequantized values are bit-identical to toolkit/quant.py::dequantize: (u - 2^(b-1)) * s, or
+// Optional fused fast path (Ops::kFastQuant = true, see pagedkv_core_avx2.cpp), used for quantized
+// blocks with 8/4-bit K and V and groups that are multiples of 16:
+//   void q_scores(const QuantRun&, const float* q, const float* qsum, int G, float scale, float* sc, int ldsc);
+//   void v_accum(const QuantRun&, const float* p, int ldp, int G, float* acc);
+//   float exp_sub(float* x, int n, float m);   // x[i] = exp(x[i] - m), returns the sum
+//   float max_n(const float* x, int n);       // max of x[0..n), n >= 1
+//   void q_order(const float* q, int n, int k_bits, float* out);  // q in the order q_scores reads
+// It never materialises the dequantized rows: scores = s * dot(q, u - c) (+ z * sum(q) when
+// asymmetric) per group, and V accumulates (p * s) * (u - c) (+ p * z), the same quantities
+// in another summation order (outputs agree with the reference to ~1e-6).
+// The generic path dequantizes bit-identically to toolkit/quant.py::dequantize: (u - 2^(b-1)) * s, or
 // u * s + z, in float32 without contraction. Only the dot/axpy summation order differs by path.
 #pragma once
 
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "pagedkv_internal.h"
 
@@ -23,6 +33,23 @@ namespace pagedkv {
 namespace impl {
 
 enum class Src { kQuant, kF16, kF32 };
+
+// n consecutive quantized records of one block of one KV head.
+struct QuantRun {
+  const uint8_t* codes;   // first record's codes (stride W)
+  const uint16_t* meta;   // first record's fp16 scales (stride Ws)
+  size_t W, Ws;
+  int n, D;
+  int k_bits, k_group, v_bits, v_group;
+  bool k_sym, v_sym;
+  int kcb, ksc;           // V codes / V meta start inside a record
+  float* metaf;           // scratch for the n * Ws scales/zeros as float32 (filled by q_scores)
+};
+
+template <class T, class = void>
+struct HasFastQuant : std::false_type {};
+template <class T>
+struct HasFastQuant<T, std::void_t<decltype(T::kFastQuant)>> : std::integral_constant<bool, T::kFastQuant> {};
 
 template <class Ops>
 struct Attend {
@@ -37,7 +64,13 @@ struct Attend {
   float* acc;     // [G, D]
   float* mx;      // [G]
   float* l;       // [G]
+  float* qsum;    // [G, D / k_group] sums of q per K group (fast path, asymmetric K)
+  float* qk;      // [G, D] q in the lane order of Ops::q_scores (fast path)
+  float* metaf;   // [bs * Ws] (fast path)
   const float* q;
+  bool fast;      // quantized blocks go through Ops' fused path
+
+  static constexpr bool kHasFast = HasFastQuant<Ops>::value;
 
   Attend(const AttnContext& ctx, float* scratch)
       : c(ctx), P(*ctx.p), B(*ctx.b), D(ctx.p->D), G(ctx.G), bs(ctx.p->block_size) {
@@ -48,7 +81,28 @@ struct Attend {
     sc = s; s += (size_t)G * bs;
     acc = s; s += (size_t)G * D;
     mx = s; s += G;
-    l = s;
+    l = s; s += G;
+    qsum = s; s += (size_t)G * 32;
+    qk = s; s += (size_t)G * D;
+    metaf = s;
+    fast = kHasFast && c.quantized && (P.k_bits == 8 || P.k_bits == 4) && (P.v_bits == 8 || P.v_bits == 4) &&
+           D % 16 == 0 && c.k_group % 16 == 0 && c.v_group % 16 == 0 && D / c.k_group <= 32 &&
+           D / c.v_group <= 32 && bs <= 32 && bs % 8 == 0;
+  }
+
+  // x[i] = exp(x[i] - m) for i < n; returns the sum
+  static float exp_sub(float* x, int n, float m) {
+    if constexpr (kHasFast) {
+      return Ops::exp_sub(x, n, m);
+    } else {
+      float sum = 0.f;
+      for (int i = 0; i < n; ++i) {
+        const float e = std::exp(x[i] - m);
+        x[i] = e;
+        sum += e;
+      }
+      return sum;
+    }
   }
 
   // K (part=0) or V (part=1) of a quantized record as floats.
@@ -77,19 +131,31 @@ struct Attend {
   template <class KeyFn>
   void run(int n, KeyFn&& key) {
     const float scale = P.scale;
-    const float cap = P.softcap;
     for (int i = 0; i < n; ++i) {
       const float* kr = key(i, 0);
-      for (int g = 0; g < G; ++g) {
-        float s = Ops::dot(q + (size_t)g * D, kr, D) * scale;
-        if (cap > 0.f) s = std::tanh(s / cap) * cap;
-        sc[(size_t)g * bs + i] = s;
-      }
+      for (int g = 0; g < G; ++g) sc[(size_t)g * bs + i] = Ops::dot(q + (size_t)g * D, kr, D) * scale;
     }
+    softmax(n);
+    for (int i = 0; i < n; ++i) {
+      const float* vr = key(i, 1);
+      for (int g = 0; g < G; ++g) Ops::axpy(acc + (size_t)g * D, sc[(size_t)g * bs + i], vr, D);
+    }
+  }
+
+  // online softmax over the n scores in sc: rescale the state, scores -> probabilities
+  void softmax(int n) {
+    const float cap = P.softcap;
     for (int g = 0; g < G; ++g) {
       float* sg = sc + (size_t)g * bs;
-      float bm = sg[0];
-      for (int i = 1; i < n; ++i) bm = sg[i] > bm ? sg[i] : bm;
+      if (cap > 0.f)
+        for (int i = 0; i < n; ++i) sg[i] = std::tanh(sg[i] / cap) * cap;
+      float bm;
+      if constexpr (kHasFast) {
+        bm = Ops::max_n(sg, n);
+      } else {
+        bm = sg[0];
+        for (int i = 1; i < n; ++i) bm = sg[i] > bm ? sg[i] : bm;
+      }
       const float mnew = bm > mx[g] ? bm : mx[g];
       if (mnew > mx[g]) {
         const float corr = std::exp(mx[g] - mnew);  // exp(-inf) = 0 on the first block
@@ -97,17 +163,18 @@ struct Attend {
         Ops::scale(acc + (size_t)g * D, corr, D);
         mx[g] = mnew;
       }
-      float sum = 0.f;
-      for (int i = 0; i < n; ++i) {
-        const float e = std::exp(sg[i] - mnew);
-        sg[i] = e;
-        sum += e;
-      }
-      l[g] += sum;
+      l[g] += exp_sub(sg, n, mnew);
     }
-    for (int i = 0; i < n; ++i) {
-      const float* vr = key(i, 1);
-      for (int g = 0; g < G; ++g) Ops::axpy(acc + (size_t)g * D, sc[(size_t)g * bs + i], vr, D);
+  }
+
+  // fused path: n quantized records
+  void run_quant(const uint8_t* codes, const uint16_t* meta, int n) {
+    if constexpr (kHasFast) {
+      QuantRun r{codes, meta, (size_t)P.code_width, (size_t)P.scale_width, n, D, P.k_bits, c.k_group,
+                 P.v_bits, c.v_group, P.k_sym, P.v_sym, c.kcb, c.ksc, metaf};
+      Ops::q_scores(r, qk, qsum, G, P.scale, sc, bs);
+      softmax(n);
+      Ops::v_accum(r, sc, bs, G, acc);
     }
   }
 
@@ -117,24 +184,91 @@ struct Attend {
   }
 
   void operator()(int t, int h) {
-    const int Hkv = P.Hkv, M = P.max_blocks_per_seq;
+    if (c.split > 1 && c.part < 0) {
+      merge(t, h);
+      return;
+    }
     const int64_t pos = B.positions[t];
-    const int64_t s = B.seq_ids[t];
-    const int64_t* row = B.block_tables + s * M;
+    const int64_t pb = pos / bs;
+    const int64_t lo = P.window > 0 ? pos - P.window + 1 : 0;  // first visible key
+    const int64_t b0 = lo > 0 ? lo / bs : 0;
+    int64_t first = b0, last = pb;
+    if (c.split > 1) {  // this part's share of the visible blocks
+      const int64_t nb = pb - b0 + 1;
+      first = b0 + nb * c.part / c.split;
+      last = b0 + nb * (c.part + 1) / c.split - 1;
+    }
+    begin(t, h);
+    blocks(t, h, first, last);
+    if (c.split > 1) {
+      float* dst = c.partial + ((size_t)t * P.Hkv + h) * c.split * c.partial_stride() + c.part * c.partial_stride();
+      std::memcpy(dst, mx, sizeof(float) * G);
+      std::memcpy(dst + G, l, sizeof(float) * G);
+      std::memcpy(dst + 2 * G, acc, sizeof(float) * (size_t)G * D);
+      return;
+    }
+    finish(t, h);
+  }
+
+  void begin(int t, int h) {
     q = c.qrot + ((size_t)t * P.Hq + (size_t)h * G) * D;
     for (int g = 0; g < G; ++g) {
       mx[g] = -std::numeric_limits<float>::infinity();
       l[g] = 0.f;
     }
     std::memset(acc, 0, sizeof(float) * (size_t)G * D);
+    std::memset(sc, 0, sizeof(float) * (size_t)G * bs);  // the fast path reads whole vectors of sc rows
+    if constexpr (kHasFast) {
+      if (fast) Ops::q_order(q, G * D, P.k_bits, qk);
+    }
+    if (fast) {
+      const int ngk = D / c.k_group;
+      for (int g = 0; g < G; ++g)
+        for (int k = 0; k < ngk; ++k) {
+          const float* qg = q + (size_t)g * D + (size_t)k * c.k_group;
+          float sum = 0.f;
+          for (int i = 0; i < c.k_group; ++i) sum += qg[i];
+          qsum[g * ngk + k] = sum;
+        }
+    }
+  }
 
+  // merge the split partials of (t, h) into the state, then finish
+  void merge(int t, int h) {
+    const size_t stride = c.partial_stride();
+    const float* src = c.partial + ((size_t)t * P.Hkv + h) * c.split * stride;
+    for (int g = 0; g < G; ++g) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int p = 0; p < c.split; ++p) m = src[p * stride + g] > m ? src[p * stride + g] : m;
+      float sum = 0.f;
+      float* a = acc + (size_t)g * D;
+      std::memset(a, 0, sizeof(float) * D);
+      if (m > -std::numeric_limits<float>::infinity()) {
+        for (int p = 0; p < c.split; ++p) {
+          const float* ps = src + p * stride;
+          if (!(ps[g] > -std::numeric_limits<float>::infinity())) continue;  // empty part
+          const float w = std::exp(ps[g] - m);
+          sum += ps[G + g] * w;
+          Ops::axpy(a, w, ps + 2 * G + (size_t)g * D, D);
+        }
+      }
+      mx[g] = m;
+      l[g] = sum;
+    }
+    finish(t, h);
+  }
+
+  void blocks(int t, int h, int64_t bfirst, int64_t blast) {
+    const int Hkv = P.Hkv, M = P.max_blocks_per_seq;
+    const int64_t pos = B.positions[t];
+    const int64_t s = B.seq_ids[t];
+    const int64_t* row = B.block_tables + s * M;
     const int64_t pb = pos / bs;
     const int64_t lo = P.window > 0 ? pos - P.window + 1 : 0;  // first visible key
-    const int64_t b0 = lo > 0 ? lo / bs : 0;
     const size_t W = (size_t)P.code_width, Ws = (size_t)P.scale_width;
     const size_t stage_head = (size_t)bs * D;
     const size_t stage_kv = (size_t)Hkv * stage_head;  // stride of the K|V dim
-    for (int64_t b = b0; b <= pb; ++b) {
+    for (int64_t b = bfirst; b <= blast; ++b) {
       const int64_t first = b * bs;
       const int o0 = (int)(lo > first ? lo - first : 0);
       const int o1 = (int)(b == pb ? pos - first : bs - 1);
@@ -167,9 +301,14 @@ struct Attend {
         if (c.quantized) {
           const uint8_t* codes = static_cast<const uint8_t*>(B.codes) + rec0 * W;
           const uint16_t* meta = B.scales + rec0 * Ws;
-          run(n, [&](int i, int part) {
-            return load_quant(codes + (size_t)i * W, meta + (size_t)i * Ws, part, part ? vrow : krow);
-          });
+          if (fast) {
+            if (b + 2 <= blast) prefetch_block(row[b + 2], h, W, Ws);  // two blocks ahead
+            run_quant(codes, meta, n);
+          } else {
+            run(n, [&](int i, int part) {
+              return load_quant(codes + (size_t)i * W, meta + (size_t)i * Ws, part, part ? vrow : krow);
+            });
+          }
         } else if (P.float_bits == 16) {
           const uint16_t* codes = static_cast<const uint16_t*>(B.codes) + rec0 * W;
           run(n, [&](int i, int part) {
@@ -181,6 +320,21 @@ struct Attend {
         }
       }
     }
+  }
+
+  // software prefetch of the next quantized block of this head (codes and scales)
+  void prefetch_block(int64_t blk, int h, size_t W, size_t Ws) {
+    if (blk < 0 || blk >= P.num_blocks) return;
+    const size_t rec0 = ((size_t)blk * P.Hkv + h) * bs;
+    const char* cp = reinterpret_cast<const char*>(static_cast<const uint8_t*>(B.codes) + rec0 * W);
+    const size_t cbytes = (size_t)bs * W;
+    for (size_t o = 0; o < cbytes; o += 64) __builtin_prefetch(cp + o, 0, 3);
+    const char* sp = reinterpret_cast<const char*>(B.scales + rec0 * Ws);
+    const size_t sbytes = (size_t)bs * Ws * 2;
+    for (size_t o = 0; o < sbytes; o += 64) __builtin_prefetch(sp + o, 0, 3);
+  }
+
+  void finish(int t, int h) {
     // attention sinks: an extra logit in the denominator only
     for (int g = 0; g < G; ++g) {
       const int hq = h * G + g;

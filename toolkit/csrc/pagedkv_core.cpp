@@ -448,8 +448,10 @@ bool all_finite(const float* x, int n) {
   return true;
 }
 
+constexpr int64_t kSplitBlocks = 16;  // split-K: about this many blocks per part
+
 struct CallScratch {
-  std::vector<float> qrot, krot, vrot;
+  std::vector<float> qrot, krot, vrot, partial;
   std::vector<uint16_t> k16, v16;
   std::vector<int32_t> n_prev, count;
   std::vector<int64_t> last_pos;
@@ -658,8 +660,39 @@ int paged_attention(const PagedAttnParams& P, const PagedAttnBuffers& B, char* e
   ctx.rotate = rotate;
   const AttendFn fn = attend_fn(active_isa());
   const size_t scratch_n = attn_scratch_floats(ctx);
-  const int items = T * Hkv;
-  const std::function<void(int)> task = [&](int i) { fn(ctx, i / Hkv, i % Hkv, thread_scratch(scratch_n)); };
+  // Split-K: with few (token, KV head) items (decode), cut each item's visible blocks into parts so
+  // that several threads share one long sequence; the parts are merged afterwards. The split depends
+  // only on the shapes (never on the thread count), so results do not change with the threads.
+  int split = 1;
+  if (T * Hkv < 32) {
+    int64_t max_blocks = 0;
+    for (int t = 0; t < T; ++t) {
+      const int64_t p = B.positions[t];
+      const int64_t lo = P.window > 0 ? std::max<int64_t>(0, p - P.window + 1) : 0;
+      max_blocks = std::max(max_blocks, p / bs - lo / bs + 1);
+    }
+    if (max_blocks >= 8) {
+      const int64_t parts = (max_blocks + kSplitBlocks - 1) / kSplitBlocks;
+      split = (int)std::min<int64_t>(std::min<int64_t>((parts + 3) / 4 * 4, max_blocks / 2), 1024);
+    }
+  }
+  ctx.split = split;
+  if (split > 1) {
+    const size_t n = (size_t)T * Hkv * split * ctx.partial_stride();
+    if (cs.partial.size() < n) cs.partial.resize(n);
+    ctx.partial = cs.partial.data();
+  }
+  const int items = T * Hkv * split;
+  const std::function<void(int)> task = [&](int i) {
+    if (split == 1) {
+      fn(ctx, i / Hkv, i % Hkv, thread_scratch(scratch_n));
+    } else {
+      AttnContext c = ctx;
+      c.part = i % split;
+      const int th = i / split;
+      fn(c, th / Hkv, th % Hkv, thread_scratch(scratch_n));
+    }
+  };
   {
     std::lock_guard<std::mutex> lk(g_pool_mutex);
     const int want = std::min(num_threads(), items) - 1;
@@ -670,6 +703,10 @@ int paged_attention(const PagedAttnParams& P, const PagedAttnBuffers& B, char* e
     } else {
       pool().run(items, task);
     }
+  }
+  if (split > 1) {  // merge the parts (part = -1)
+    float* scratch = thread_scratch(scratch_n);
+    for (int i = 0; i < T * Hkv; ++i) fn(ctx, i / Hkv, i % Hkv, scratch);
   }
 
   // ---- 4. tail stage: the tokens in each sequence's last block of this call

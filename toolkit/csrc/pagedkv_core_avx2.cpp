@@ -1,11 +1,17 @@
 // AVX2 + FMA + F16C attention path (this file is compiled with -mavx2 -mfma -mf16c; the caller
-// checks the CPU before selecting it). Dequantized values are bit-identical to the scalar path.
+// checks the CPU before selecting it). The generic path dequantizes bit-identically to the scalar
+// path; quantized 8/4-bit blocks take the fused path below (q_scores / v_accum / exp_sub), which
+// never writes dequantized rows and uses a vectorised exp in the softmax only.
 #include <immintrin.h>
+
+#include <algorithm>
 
 #include "pagedkv_attn_impl.h"
 
 namespace pagedkv {
 namespace {
+
+using impl::QuantRun;
 
 inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -15,7 +21,276 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
+
+// ---- fused quantized path ------------------------------------------------------------------------
+
+// 16 codes of a record as floats: u - 2^(b-1) when SYM (exact small integers), else u.
+// 8 bits: a = dims j..j+7, b = dims j+8..j+15. 4 bits (value i in the low nibble first): the 8 bytes
+// of dims j..j+15 are zero-extended to 32-bit lanes straight from memory and split into their nibbles
+// without interleaving, so a = the even dims j, j+2, .., j+14 and b = the odd dims j+1, .., j+15
+// (callers use q / accumulators in that order: see permute16 / unpermute16).
+template <int BITS, bool SYM>
+inline void load16(const uint8_t* codes, int j, __m256& a, __m256& b) {
+  __m256i x0, x1;
+  if (BITS == 8) {
+    x0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + j)));
+    x1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + j + 8)));
+  } else {
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + j / 2)));
+    x0 = _mm256_and_si256(x, _mm256_set1_epi32(0x0f));
+    x1 = _mm256_srli_epi32(x, 4);
+  }
+  if (SYM) {
+    const __m256i c = _mm256_set1_epi32(1 << (BITS - 1));
+    x0 = _mm256_sub_epi32(x0, c);
+    x1 = _mm256_sub_epi32(x1, c);
+  }
+  a = _mm256_cvtepi32_ps(x0);
+  b = _mm256_cvtepi32_ps(x1);
+}
+
+// natural order [d0..d7], [d8..d15] -> evens [d0, d2, .., d14], odds [d1, .., d15]
+inline void permute16(__m256 lo, __m256 hi, __m256& ev, __m256& od) {
+  ev = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0x88)), 0xd8));
+  od = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0xdd)), 0xd8));
+}
+// inverse of permute16
+inline void unpermute16(__m256 ev, __m256 od, __m256& lo, __m256& hi) {
+  const __m256 l = _mm256_unpacklo_ps(ev, od), h = _mm256_unpackhi_ps(ev, od);
+  lo = _mm256_permute2f128_ps(l, h, 0x20);
+  hi = _mm256_permute2f128_ps(l, h, 0x31);
+}
+
+inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+// [sum(v0), ..., sum(v7)]
+inline __m256 hsum8(__m256 v0, __m256 v1, __m256 v2, __m256 v3, __m256 v4, __m256 v5, __m256 v6, __m256 v7) {
+  const __m256 s01 = _mm256_hadd_ps(v0, v1), s23 = _mm256_hadd_ps(v2, v3);
+  const __m256 s45 = _mm256_hadd_ps(v4, v5), s67 = _mm256_hadd_ps(v6, v7);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// Scores of keys i, i+1 (NK = 2) or i (NK = 1) for GN <= 4 query heads.
+// score = scale * sum_groups (s_k * dot(q, u - c) [+ z_k * sum(q)])
+template <int BITS, bool SYM, int GN, int NK>
+inline void scores_keys(const QuantRun& r, const uint8_t* c0, const float* m0, const float* q, const float* qsum,
+                        float scale, float* sc, int ldsc, int i) {
+  const int D = r.D, kg = r.k_group, ngk = D / kg;
+  const uint8_t* c1 = c0 + r.W;
+  const float* m1 = m0 + r.Ws;
+  __m256 tot = _mm256_setzero_ps();  // lanes: key0 heads 0..3, key1 heads 0..3
+  for (int gi = 0; gi < ngk; ++gi) {
+    __m256 a0[4], a1[4];
+    for (int g = 0; g < 4; ++g) a0[g] = a1[g] = _mm256_setzero_ps();
+    for (int j = gi * kg; j < (gi + 1) * kg; j += 16) {
+      __m256 x0a, x0b, x1a, x1b;
+      load16<BITS, SYM>(c0, j, x0a, x0b);
+      if (NK == 2) load16<BITS, SYM>(c1, j, x1a, x1b);
+      for (int g = 0; g < GN; ++g) {
+        const __m256 qa = _mm256_loadu_ps(q + (size_t)g * D + j), qb = _mm256_loadu_ps(q + (size_t)g * D + j + 8);
+        a0[g] = _mm256_fmadd_ps(qb, x0b, _mm256_fmadd_ps(qa, x0a, a0[g]));
+        if (NK == 2) a1[g] = _mm256_fmadd_ps(qb, x1b, _mm256_fmadd_ps(qa, x1a, a1[g]));
+      }
+    }
+    const __m256 sums = hsum8(a0[0], a0[1], a0[2], a0[3], a1[0], a1[1], a1[2], a1[3]);
+    const float s0 = m0[gi], s1 = NK == 2 ? m1[gi] : 0.f;
+    const __m256 vs = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
+    tot = _mm256_fmadd_ps(sums, vs, tot);
+    if (!SYM) {  // + z * sum(q over the group)
+      const float z0 = m0[ngk + gi], z1 = NK == 2 ? m1[ngk + gi] : 0.f;
+      float qs[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int g = 0; g < GN; ++g) qs[g] = qsum[g * ngk + gi];
+      const __m256 vq = _mm256_setr_ps(qs[0], qs[1], qs[2], qs[3], qs[0], qs[1], qs[2], qs[3]);
+      tot = _mm256_fmadd_ps(vq, _mm256_setr_ps(z0, z0, z0, z0, z1, z1, z1, z1), tot);
+    }
+  }
+  alignas(32) float out[8];
+  _mm256_store_ps(out, _mm256_mul_ps(tot, _mm256_set1_ps(scale)));
+  for (int g = 0; g < GN; ++g) {
+    sc[(size_t)g * ldsc + i] = out[g];
+    if (NK == 2) sc[(size_t)g * ldsc + i + 1] = out[4 + g];
+  }
+}
+
+template <int BITS, bool SYM, int GN>
+void scores_tile(const QuantRun& r, const float* q, const float* qsum, float scale, float* sc, int ldsc) {
+  int i = 0;
+  for (; i + 2 <= r.n; i += 2)
+    scores_keys<BITS, SYM, GN, 2>(r, r.codes + (size_t)i * r.W, r.metaf + (size_t)i * r.Ws, q, qsum, scale, sc, ldsc, i);
+  if (i < r.n)
+    scores_keys<BITS, SYM, GN, 1>(r, r.codes + (size_t)i * r.W, r.metaf + (size_t)i * r.Ws, q, qsum, scale, sc, ldsc, i);
+}
+
+template <int BITS, bool SYM>
+void scores_all(const QuantRun& r, const float* q, const float* qsum, int G, float scale, float* sc, int ldsc) {
+  const int ngk = r.D / r.k_group;
+  for (int g0 = 0; g0 < G; g0 += 4) {
+    const float* qq = q + (size_t)g0 * r.D;
+    const float* qs = qsum + (size_t)g0 * ngk;
+    float* s = sc + (size_t)g0 * ldsc;
+    switch (std::min(4, G - g0)) {
+      case 4: scores_tile<BITS, SYM, 4>(r, qq, qs, scale, s, ldsc); break;
+      case 3: scores_tile<BITS, SYM, 3>(r, qq, qs, scale, s, ldsc); break;
+      case 2: scores_tile<BITS, SYM, 2>(r, qq, qs, scale, s, ldsc); break;
+      default: scores_tile<BITS, SYM, 1>(r, qq, qs, scale, s, ldsc); break;
+    }
+  }
+}
+
+// acc[g] += sum_i p[g][i] * v_i for GN <= 4 heads, v_i = s * (u - c) (sym) or s * u + z (asym):
+// accumulated as (p * s) * (u - c) + sum_i p * z, 16 dims at a time kept in registers over the keys.
+template <int BITS, bool SYM, int GN>
+void vacc_tile(const QuantRun& r, const float* p, int ldp, float* acc) {
+  const int D = r.D, vg = r.v_group, ngv = D / vg, n = r.n;
+  const uint8_t* vc = r.codes + r.kcb;
+  const int n8 = (n + 7) & ~7;            // p rows hold finite values up to bs >= n8
+  alignas(32) float coef[32 * 4 * 32];     // [group][head][key]
+  alignas(32) float sv[32], zv[32];
+  float zt[32 * 4];                        // [group][head]
+  for (int k = 0; k < ngv; ++k) {
+    const float* mk = r.metaf + r.ksc + k;
+    for (int i = 0; i < n; ++i) sv[i] = mk[(size_t)i * r.Ws];
+    if (!SYM)
+      for (int i = 0; i < n8; ++i) zv[i] = i < n ? mk[(size_t)i * r.Ws + ngv] : 0.f;
+    for (int g = 0; g < GN; ++g) {
+      const float* pg = p + (size_t)g * ldp;
+      float* cf = coef + ((size_t)k * 4 + g) * 32;
+      __m256 zs = _mm256_setzero_ps();
+      for (int i = 0; i < n8; i += 8) {
+        const __m256 pv = _mm256_loadu_ps(pg + i);
+        _mm256_store_ps(cf + i, _mm256_mul_ps(pv, _mm256_load_ps(sv + i)));
+        if (!SYM) zs = _mm256_fmadd_ps(pv, _mm256_load_ps(zv + i), zs);
+      }
+      zt[k * 4 + g] = SYM ? 0.f : hsum(zs);
+    }
+  }
+  for (int j = 0; j < D; j += 16) {
+    const int k = j / vg;
+    __m256 A[GN][2];
+    for (int g = 0; g < GN; ++g) {
+      const __m256 z = _mm256_set1_ps(SYM ? 0.f : zt[k * 4 + g]);
+      A[g][0] = _mm256_add_ps(_mm256_loadu_ps(acc + (size_t)g * D + j), z);
+      A[g][1] = _mm256_add_ps(_mm256_loadu_ps(acc + (size_t)g * D + j + 8), z);
+      if (BITS == 4) permute16(A[g][0], A[g][1], A[g][0], A[g][1]);
+    }
+    const float* cf = coef + (size_t)k * 4 * 32;
+    for (int i = 0; i < n; ++i) {
+      __m256 xa, xb;
+      load16<BITS, SYM>(vc + (size_t)i * r.W, j, xa, xb);
+      for (int g = 0; g < GN; ++g) {
+        const __m256 w = _mm256_broadcast_ss(cf + g * 32 + i);
+        A[g][0] = _mm256_fmadd_ps(w, xa, A[g][0]);
+        A[g][1] = _mm256_fmadd_ps(w, xb, A[g][1]);
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      if (BITS == 4) unpermute16(A[g][0], A[g][1], A[g][0], A[g][1]);
+      _mm256_storeu_ps(acc + (size_t)g * D + j, A[g][0]);
+      _mm256_storeu_ps(acc + (size_t)g * D + j + 8, A[g][1]);
+    }
+  }
+}
+
+template <int BITS, bool SYM>
+void vacc_all(const QuantRun& r, const float* p, int ldp, int G, float* acc) {
+  for (int g0 = 0; g0 < G; g0 += 4) {
+    const float* pp = p + (size_t)g0 * ldp;
+    float* a = acc + (size_t)g0 * r.D;
+    switch (std::min(4, G - g0)) {
+      case 4: vacc_tile<BITS, SYM, 4>(r, pp, ldp, a); break;
+      case 3: vacc_tile<BITS, SYM, 3>(r, pp, ldp, a); break;
+      case 2: vacc_tile<BITS, SYM, 2>(r, pp, ldp, a); break;
+      default: vacc_tile<BITS, SYM, 1>(r, pp, ldp, a); break;
+    }
+  }
+}
+
+// exp for the softmax only (Cephes-style range reduction + degree-6 polynomial, ~1 ulp); x <= 0 here.
+// Below -87.3 the result is 0 (no subnormal probabilities: they would slow every FMA they touch).
+inline __m256 exp256(__m256 x) {
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
+}
+
 struct Avx2Ops {
+  static constexpr bool kFastQuant = true;
+
+  static void q_scores(const QuantRun& r, const float* q, const float* qsum, int G, float scale, float* sc, int ldsc) {
+    // the run's fp16 scales/zeros as float32, once (v_accum reuses them)
+    const size_t nm = (size_t)r.n * r.Ws;
+    size_t i = 0;
+    for (; i + 8 <= nm; i += 8)
+      _mm256_storeu_ps(r.metaf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r.meta + i))));
+    for (; i < nm; ++i) r.metaf[i] = h2f(r.meta[i]);
+    if (r.k_bits == 8) {
+      r.k_sym ? scores_all<8, true>(r, q, qsum, G, scale, sc, ldsc) : scores_all<8, false>(r, q, qsum, G, scale, sc, ldsc);
+    } else {
+      r.k_sym ? scores_all<4, true>(r, q, qsum, G, scale, sc, ldsc) : scores_all<4, false>(r, q, qsum, G, scale, sc, ldsc);
+    }
+  }
+  static void v_accum(const QuantRun& r, const float* p, int ldp, int G, float* acc) {
+    if (r.v_bits == 8) {
+      r.v_sym ? vacc_all<8, true>(r, p, ldp, G, acc) : vacc_all<8, false>(r, p, ldp, G, acc);
+    } else {
+      r.v_sym ? vacc_all<4, true>(r, p, ldp, G, acc) : vacc_all<4, false>(r, p, ldp, G, acc);
+    }
+  }
+  // q in the lane order q_scores reads for k_bits (4 bits: evens/odds per 16 dims)
+  static void q_order(const float* q, int n, int k_bits, float* out) {
+    for (int j = 0; j < n; j += 16) {
+      __m256 a = _mm256_loadu_ps(q + j), b = _mm256_loadu_ps(q + j + 8);
+      if (k_bits == 4) permute16(a, b, a, b);
+      _mm256_storeu_ps(out + j, a);
+      _mm256_storeu_ps(out + j + 8, b);
+    }
+  }
+  static float max_n(const float* x, int n) {
+    float m = x[0];
+    int i = 0;
+    if (n >= 8) {
+      __m256 v = _mm256_loadu_ps(x);
+      for (i = 8; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(x + i));
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      m = _mm_cvtss_f32(h);
+    }
+    for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+    return m;
+  }
+  static float exp_sub(float* x, int n, float m) {
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 vs = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+      _mm256_storeu_ps(x + i, e);
+      vs = _mm256_add_ps(vs, e);
+    }
+    float sum = hsum(vs);
+    for (; i < n; ++i) {
+      const float e = std::exp(x[i] - m);
+      x[i] = e;
+      sum += e;
+    }
+    return sum;
+  }
+
   static float dot(const float* a, const float* b, int n) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     int i = 0;

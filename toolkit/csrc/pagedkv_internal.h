@@ -19,12 +19,21 @@ struct AttnContext {
   int k_group, v_group;    // resolved group sizes
   int kcb, ksc;            // K code bytes, K scale count (V follows in the record)
   bool quantized, use_sink, use_tail, rotate;
+  // Split-K (flash-decoding): when split > 1 the visible blocks of each (token, KV head) are cut into
+  // `split` contiguous parts. part >= 0: attend over that part only and write the partial state
+  // (max[G], sum[G], acc[G*D]) to partial + ((t * Hkv + h) * split + part) * partial_stride().
+  // part == -1: merge the `split` partials of (t, h) and write the output.
+  int split = 1;
+  int part = -1;
+  float* partial = nullptr;
+  size_t partial_stride() const { return (size_t)G * (2 + (size_t)p->D); }
 };
 
 // Floats of per-thread scratch one attend call needs.
 inline size_t attn_scratch_floats(const AttnContext& c) {
   const size_t D = (size_t)c.p->D, bs = (size_t)c.p->block_size, G = (size_t)c.G;
-  return 2 * D + 2 * D /*unpacked codes*/ + G * bs + G * D + 2 * G + 64;
+  return 2 * D + 2 * D /*unpacked codes*/ + G * bs + G * D + 2 * G + 64 + G * 32 /*q sums per K group*/ +
+         G * D /*reordered q*/ + bs * (size_t)c.p->scale_width + 8 /*float meta of a block*/;
 }
 
 // Attention for token t and KV head h: all G query heads of that KV head, written to out.

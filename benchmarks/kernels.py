@@ -1,0 +1,516 @@
+"""One decode step of attention (T=1, one sequence): our paged K8/V4 kernel against the peers.
+
+    python benchmarks/kernels.py                 # 1K/4K/16K, 9/3/64 and 32/8/128, 1 and 2 threads
+    python benchmarks/kernels.py --quick         # smoke run (1K and 4K, fewer repeats)
+    python benchmarks/kernels.py --json out.json --ctx 4096 --dims 32/8/128 --threads 1
+
+Implementations, measured side by side in one process (interleaved, rotating order, median of rounds;
+et-custom-sdpa in its own group right after the others of the same cell, see ISOLATED):
+  pagedkv-ort    our kernel (spec PRESETS["default"]: K8 sym g64 / V4 asym g32, Hadamard, fp16 sink +
+                 tail) as a one-node ONNX model through our custom-op library; the pools are bound with
+                 IOBinding (one OrtValue as input and output, no copies)
+  pagedkv-et     the same kernel in ExecuTorch: a .pte with just the op, pools as mutable buffers
+  gqa-fp32       onnxruntime com.microsoft GroupQueryAttention, fp32 BNSH cache bound in place
+  gqa-int8       the same with an int8 cache (k/v_quant_type PER_CHANNEL, kv_cache_bit_width 8)
+  gqa-int4       the same with an int4 cache (PER_CHANNEL, kv_cache_bit_width 4, uint8 packed)
+  et-custom-sdpa ExecuTorch llama::update_cache + llama::custom_sdpa on an fp32 [1, S, Hkv, D] cache
+                 (mutable buffers), start_pos baked into the .pte
+
+Threads: onnxruntime intra_op_num_threads (one session per count, allow_spinning=0), ExecuTorch
+_unsafe_reset_threadpool, our kernel PAGEDKV_NUM_THREADS (read by the core on every call).
+
+"bytes" is what the step must read from the KV cache (codes + fp16 scales/zeros, fp16 sink/tail
+stage for ours; the whole cache for the others); bandwidth_fraction = bytes / ms / the machine's
+memory read bandwidth, measured here with numpy (best of max/sum/dot over a 512 MiB array, one thread). Note: at these
+sizes the caches may partly live in the CPU's last-level cache, so a fraction above 1 is possible.
+Writes benchmarks/results/kernels.json (rows) and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+BLOCK = 16
+IMPLS = ("pagedkv-ort", "pagedkv-et", "gqa-fp32", "gqa-int8", "gqa-int4", "et-custom-sdpa")
+ISOLATED = ("et-custom-sdpa",)
+
+
+# ------------------------------------------------------------------------------------------------
+# memory bandwidth
+
+
+def measure_bandwidth(mib: int = 512, reps: int = 7) -> dict:
+    """One-thread memory bandwidth from numpy on an array larger than the last-level cache: the best of
+    three read kernels (max, sum, 1024-wide dot; medians of reps) and copy (bytes read + written)."""
+    a = np.ones(mib * 2**20 // 4, dtype=np.float32)
+    b = np.empty_like(a)
+    ones = np.ones(1024, np.float32)
+    a.max(), np.copyto(b, a)  # fault the pages in
+    n = mib * 2**20
+
+    def med(f):
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+
+    reads = {"max": n / med(a.max) / 1e9, "sum": n / med(a.sum) / 1e9,
+             "dot": n / med(lambda: a.reshape(-1, 1024) @ ones) / 1e9}
+    copy = 2 * n / med(lambda: np.copyto(b, a)) / 1e9
+    del a, b
+    return {"read_gbs": max(reads.values()), "reads": reads, "copy_gbs": copy, "array_mib": mib}
+
+
+# ------------------------------------------------------------------------------------------------
+# our kernel
+
+
+def _spec():
+    from toolkit.quant import PRESETS
+
+    return PRESETS["default"]
+
+
+def _pools(hkv, d, ctx, seed):
+    """Random pools for one sequence holding ctx tokens (+ the slot of the new token), shuffled blocks."""
+    from toolkit.quant import record_layout
+
+    spec = _spec()
+    rec = record_layout(spec, d)
+    nblk = ctx // BLOCK + 1
+    nb = nblk + 1
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(1, 256, size=(nb, hkv, BLOCK, rec.code_width), dtype=np.uint8)
+    scales = rng.uniform(0.005, 0.05, size=(nb, hkv, BLOCK, rec.scale_width)).astype(np.float16)
+    kg, vg = spec.groups(d)
+    nk = (d // kg) * (1 if spec.k_sym else 2)
+    if not spec.v_sym:  # V zeros: the group minimum, negative
+        nvg = d // vg
+        scales[..., nk + nvg:] = -rng.uniform(0.1, 0.5, size=scales[..., nk + nvg:].shape).astype(np.float16)
+    stage = (rng.standard_normal((1, 2, 2, hkv, BLOCK, d)) * 0.5).astype(np.float16)
+    table = rng.permutation(nb)[:nblk].astype(np.int64).reshape(1, nblk)
+    return codes, scales, stage, table
+
+
+def _our_bytes(hkv, d, ctx):
+    from toolkit.quant import record_layout
+
+    spec = _spec()
+    rec = record_layout(spec, d)
+    keys = ctx + 1
+    tail = keys % BLOCK or BLOCK  # tokens of the last block (float16 from the stage / the call)
+    fp16 = (BLOCK if spec.sink_blocks else 0) + (tail if spec.fp_tail else 0)
+    quant = keys - fp16
+    return hkv * (quant * (rec.code_width + 2 * rec.scale_width) + fp16 * 2 * 2 * d)
+
+
+def _scalars(d):
+    spec = _spec()
+    kg, vg = spec.groups(d)
+    return dict(layer=0, k_bits=spec.k_bits, v_bits=spec.v_bits, k_group=kg, v_group=vg, k_sym=spec.k_sym,
+                v_sym=spec.v_sym, rotate=spec.rotate, fp_tail=spec.fp_tail, sink_blocks=spec.sink_blocks,
+                scale=1.0 / math.sqrt(d), window=0, softcap=0.0)
+
+
+def _step_inputs(hq, hkv, d, ctx, seed):
+    rng = np.random.default_rng(seed + 1)
+    return dict(
+        q=rng.standard_normal((1, hq, 1, d)).astype(np.float32),
+        k=rng.standard_normal((1, hkv, 1, d)).astype(np.float32),
+        v=rng.standard_normal((1, hkv, 1, d)).astype(np.float32),
+        positions=np.array([ctx], np.int64), seq_ids=np.zeros(1, np.int64),
+        sinks=np.full(hq, -np.inf, np.float32),
+    )
+
+
+class OursOrt:
+    def __init__(self, hq, hkv, d, ctx, seed):
+        import onnxruntime as ort
+        from onnx import TensorProto as TP
+        from onnx import helper
+
+        from toolkit import native
+
+        codes, scales, stage, table = _pools(hkv, d, ctx, seed)
+        x = _step_inputs(hq, hkv, d, ctx, seed)
+        ins = [
+            helper.make_tensor_value_info("q", TP.FLOAT, [1, hq, 1, d]),
+            helper.make_tensor_value_info("k", TP.FLOAT, [1, hkv, 1, d]),
+            helper.make_tensor_value_info("v", TP.FLOAT, [1, hkv, 1, d]),
+            helper.make_tensor_value_info("codes", TP.UINT8, list(codes.shape)),
+            helper.make_tensor_value_info("scales", TP.FLOAT16, list(scales.shape)),
+            helper.make_tensor_value_info("stage", TP.FLOAT16, list(stage.shape)),
+            helper.make_tensor_value_info("positions", TP.INT64, [1]),
+            helper.make_tensor_value_info("seq_ids", TP.INT64, [1]),
+            helper.make_tensor_value_info("block_tables", TP.INT64, list(table.shape)),
+            helper.make_tensor_value_info("sinks", TP.FLOAT, [hq]),
+        ]
+        outs = [
+            helper.make_tensor_value_info("out", TP.FLOAT, [1, 1, hq, d]),
+            helper.make_tensor_value_info("codes_out", TP.UINT8, list(codes.shape)),
+            helper.make_tensor_value_info("scales_out", TP.FLOAT16, list(scales.shape)),
+            helper.make_tensor_value_info("stage_out", TP.FLOAT16, list(stage.shape)),
+        ]
+        attrs = {k: (float(v) if isinstance(v, float) else int(v)) for k, v in _scalars(d).items()}
+        from export.onnx_export import DOMAIN, OP_TYPE, register_schema
+
+        register_schema()
+        node = helper.make_node(OP_TYPE, [i.name for i in ins], [o.name for o in outs], domain=DOMAIN, **attrs)
+        model = helper.make_model(helper.make_graph([node], "qpa", ins, outs),
+                                  opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)])
+        model.ir_version = 10
+        so = ort.SessionOptions()
+        so.register_custom_ops_library(native.ort_library_path())
+        so.intra_op_num_threads = 1  # the op runs on the core's own thread pool (PAGEDKV_NUM_THREADS)
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        self.pools = [ort.OrtValue.ortvalue_from_numpy(a) for a in (codes, scales, stage)]
+        self.keep = dict(x, block_tables=table)
+        self.out = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 1, hq, d), np.float32))
+        b = self.sess.io_binding()
+        for name in ("q", "k", "v", "positions", "seq_ids", "block_tables", "sinks"):
+            b.bind_cpu_input(name, self.keep[name])
+        for name, p in zip(("codes", "scales", "stage"), self.pools):
+            b.bind_ortvalue_input(name, p)
+            b.bind_ortvalue_output(name + "_out", p)
+        b.bind_ortvalue_output("out", self.out)
+        self.binding = b
+        self.bytes = _our_bytes(hkv, d, ctx)
+
+    def set_threads(self, n):
+        os.environ["PAGEDKV_NUM_THREADS"] = str(n)
+
+    def __call__(self):
+        self.sess.run_with_iobinding(self.binding)
+
+
+class _OurModule:  # built lazily (torch import)
+    pass
+
+
+class OursEt:
+    def __init__(self, hq, hkv, d, ctx, seed):
+        import torch
+
+        import toolkit.paged_attention  # noqa: F401  (registers the op)
+        from toolkit import native
+
+        native.load_executorch_kernels()
+        codes, scales, stage, table = _pools(hkv, d, ctx, seed)
+        kw = _scalars(d)
+
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                # initial values are not serialized into the .pte: the runtime's planned buffers
+                # start zeroed (same bytes read per step)
+                self.register_buffer("codes", torch.from_numpy(codes))
+                self.register_buffer("scales", torch.from_numpy(scales))
+                self.register_buffer("stage", torch.from_numpy(stage))
+
+            def forward(self, q, k, v, positions, seq_ids, block_tables, sinks):
+                return torch.ops.pagedkv.quantized_paged_attention(
+                    q, k, v, self.codes, self.scales, self.stage, positions, seq_ids, block_tables, sinks,
+                    *kw.values())
+
+        x = _step_inputs(hq, hkv, d, ctx, seed)
+        self.args = [torch.from_numpy(x[n]) for n in ("q", "k", "v", "positions", "seq_ids")] + [
+            torch.from_numpy(table), torch.from_numpy(x["sinks"])]
+        self.program, self.method = _et_load(M(), tuple(self.args))
+        self.bytes = _our_bytes(hkv, d, ctx)
+
+    def set_threads(self, n):
+        os.environ["PAGEDKV_NUM_THREADS"] = str(n)
+
+    def __call__(self):
+        self.method.execute(self.args)
+
+
+def _et_load(module, args):
+    import torch
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    ep = torch.export.export(module.eval(), args, strict=False)
+    prog = to_edge_transform_and_lower(ep).to_executorch()
+    program = Runtime.get().load_program(prog.buffer)
+    return program, program.load_method("forward")
+
+
+# ------------------------------------------------------------------------------------------------
+# onnxruntime GroupQueryAttention
+
+
+class Gqa:
+    QUANT = {"fp32": ("NONE", 32), "int8": ("PER_CHANNEL", 8), "int4": ("PER_CHANNEL", 4)}
+
+    def __init__(self, kind, hq, hkv, d, ctx, seed, threads):
+        import onnxruntime as ort
+        from onnx import TensorProto as TP
+        from onnx import helper
+
+        qt, bits = self.QUANT[kind]
+        S = ctx + 1
+        dd = d if bits >= 8 else d * bits // 8
+        cache_t = {32: TP.FLOAT, 8: TP.INT8, 4: TP.UINT8}[bits]
+        cache_np = {32: np.float32, 8: np.int8, 4: np.uint8}[bits]
+        ins = [
+            helper.make_tensor_value_info("query", TP.FLOAT, [1, 1, hq * d]),
+            helper.make_tensor_value_info("key", TP.FLOAT, [1, 1, hkv * d]),
+            helper.make_tensor_value_info("value", TP.FLOAT, [1, 1, hkv * d]),
+            helper.make_tensor_value_info("past_key", cache_t, [1, hkv, S, dd]),
+            helper.make_tensor_value_info("past_value", cache_t, [1, hkv, S, dd]),
+            helper.make_tensor_value_info("seqlens_k", TP.INT32, [1]),
+            helper.make_tensor_value_info("total_sequence_length", TP.INT32, []),
+        ]
+        names = [i.name for i in ins]
+        attrs = dict(num_heads=hq, kv_num_heads=hkv, scale=1.0 / math.sqrt(d))
+        if qt != "NONE":
+            sshape = [1, hkv, 1, d]
+            ins += [helper.make_tensor_value_info("k_scale", TP.FLOAT, sshape),
+                    helper.make_tensor_value_info("v_scale", TP.FLOAT, sshape)]
+            names += ["", "", "", "", "", "k_scale", "v_scale"]
+            attrs.update(k_quant_type=qt, v_quant_type=qt, kv_cache_bit_width=bits)
+        outs = [
+            helper.make_tensor_value_info("output", TP.FLOAT, [1, 1, hq * d]),
+            helper.make_tensor_value_info("present_key", cache_t, [1, hkv, S, dd]),
+            helper.make_tensor_value_info("present_value", cache_t, [1, hkv, S, dd]),
+        ]
+        node = helper.make_node("GroupQueryAttention", names, [o.name for o in outs], domain="com.microsoft",
+                                **attrs)
+        model = helper.make_model(helper.make_graph([node], "gqa", ins, outs),
+                                  opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+        model.ir_version = 10
+        rng = np.random.default_rng(seed)
+        if bits == 32:
+            pk, pv = (rng.standard_normal((1, hkv, S, dd)).astype(np.float32) for _ in range(2))
+        elif bits == 8:
+            pk, pv = (rng.integers(-127, 128, (1, hkv, S, dd), dtype=np.int8) for _ in range(2))
+        else:
+            pk, pv = (rng.integers(0, 256, (1, hkv, S, dd), dtype=np.uint8) for _ in range(2))
+        self.feeds = dict(
+            query=rng.standard_normal((1, 1, hq * d)).astype(np.float32),
+            key=rng.standard_normal((1, 1, hkv * d)).astype(np.float32),
+            value=rng.standard_normal((1, 1, hkv * d)).astype(np.float32),
+            seqlens_k=np.array([ctx], np.int32), total_sequence_length=np.array(ctx + 1, np.int32))
+        if qt != "NONE":
+            self.feeds.update(k_scale=rng.uniform(0.01, 0.05, (1, hkv, 1, d)).astype(np.float32),
+                              v_scale=rng.uniform(0.01, 0.05, (1, hkv, 1, d)).astype(np.float32))
+        self.caches = [ort.OrtValue.ortvalue_from_numpy(a) for a in (pk, pv)]
+        self.out = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 1, hq * d), np.float32))
+        self.sessions = {}
+        for n in threads:
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = n
+            # no spinning: on a 2-core machine an idle spinning worker steals the core of whatever runs
+            # next in the interleaved loop
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            b = sess.io_binding()
+            for name, a in self.feeds.items():
+                b.bind_cpu_input(name, a)
+            b.bind_ortvalue_input("past_key", self.caches[0])
+            b.bind_ortvalue_output("present_key", self.caches[0])
+            b.bind_ortvalue_input("past_value", self.caches[1])
+            b.bind_ortvalue_output("present_value", self.caches[1])
+            b.bind_ortvalue_output("output", self.out)
+            self.sessions[n] = (sess, b)
+        scale_bytes = 0 if qt == "NONE" else 2 * hkv * d * 4
+        self.bytes = 2 * hkv * (ctx + 1) * dd * np.dtype(cache_np).itemsize + scale_bytes
+        self.cur = self.sessions[threads[0]]
+
+    def set_threads(self, n):
+        self.cur = self.sessions[n]
+
+    def __call__(self):
+        sess, b = self.cur
+        sess.run_with_iobinding(b)
+
+
+# ------------------------------------------------------------------------------------------------
+# ExecuTorch llama::custom_sdpa
+
+
+class EtSdpa:
+    def __init__(self, hq, hkv, d, ctx, seed):
+        import torch
+        from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (registers llama::*)
+
+        S = ctx + 1
+        pos = ctx
+
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.register_buffer("k_cache", torch.zeros(1, S, hkv, d))
+                self.register_buffer("v_cache", torch.zeros(1, S, hkv, d))
+
+            def forward(self, q, k, v):
+                torch.ops.llama.update_cache(k, self.k_cache, pos)
+                torch.ops.llama.update_cache(v, self.v_cache, pos)
+                return torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, pos, None, 0.0, True)
+
+        g = torch.Generator().manual_seed(seed)
+        self.args = [torch.randn(1, 1, hq, d, generator=g), torch.randn(1, 1, hkv, d, generator=g),
+                     torch.randn(1, 1, hkv, d, generator=g)]
+        self.program, self.method = _et_load(M(), tuple(self.args))
+        self.bytes = 2 * hkv * (ctx + 1) * d * 4
+
+    def set_threads(self, n):
+        from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+
+        _unsafe_reset_threadpool(n)
+
+    def __call__(self):
+        self.method.execute(self.args)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def build(impl, hq, hkv, d, ctx, threads, seed=0):
+    if impl == "pagedkv-ort":
+        return OursOrt(hq, hkv, d, ctx, seed)
+    if impl == "pagedkv-et":
+        return OursEt(hq, hkv, d, ctx, seed)
+    if impl.startswith("gqa-"):
+        return Gqa(impl[4:], hq, hkv, d, ctx, seed, threads)
+    if impl == "et-custom-sdpa":
+        return EtSdpa(hq, hkv, d, ctx, seed)
+    raise ValueError(impl)
+
+
+def time_cell(runners: dict, rounds: int, target_s: float) -> dict:
+    """Interleaved: every round runs each implementation for ~target_s; returns median ms per call."""
+    iters = {}
+    for name, r in runners.items():  # warm up + calibrate
+        t = time.perf_counter()
+        r()
+        if time.perf_counter() - t > 0.1:  # pathologically slow (see et-custom-sdpa at 1 thread): 1 call
+            iters[name] = 1
+            continue
+        for _ in range(2):
+            r()
+        t = time.perf_counter()
+        n = 0
+        while time.perf_counter() - t < target_s / 2 or n < 3:
+            r()
+            n += 1
+        per = (time.perf_counter() - t) / n
+        iters[name] = max(2, int(target_s / per))
+    samples = {name: [] for name in runners}
+    names = list(runners)
+    for k in range(rounds):
+        order = names[k % len(names):] + names[: k % len(names)]  # rotate the order every round
+        for name in order:
+            r, n = runners[name], iters[name]
+            time.sleep(0.003)  # untimed: let the previous runtime's worker threads stop spinning
+            t = time.perf_counter()
+            for _ in range(n):
+                r()
+            samples[name].append((time.perf_counter() - t) / n * 1e3)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1K and 4K, few repeats")
+    ap.add_argument("--ctx", type=int, nargs="+", default=None, help="cached tokens (default 1024 4096 16384)")
+    ap.add_argument("--dims", nargs="+", default=["9/3/64", "32/8/128"], help="q_heads/kv_heads/head_dim")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds per cell (default 15, quick 3)")
+    ap.add_argument("--slice", type=float, default=None,
+                    help="seconds per implementation per round (default 0.03, quick 0.02)")
+    ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "kernels.json")
+    args = ap.parse_args(argv)
+    ctxs = args.ctx or ([1024, 4096] if args.quick else [1024, 4096, 16384])
+    rounds = args.rounds or (3 if args.quick else 15)
+    target = args.slice or (0.02 if args.quick else 0.03)
+
+    bw = measure_bandwidth(256 if args.quick else 512)
+    print(f"memory bandwidth (numpy, 1 thread, {bw['array_mib']} MiB): read {bw['read_gbs']:.1f} GB/s, "
+          f"copy {bw['copy_gbs']:.1f} GB/s", flush=True)
+    rows = []
+    for dims in args.dims:
+        hq, hkv, d = (int(x) for x in dims.split("/"))
+        for ctx in ctxs:
+            t0 = time.time()
+            runners = {}
+            for impl in args.impls:
+                try:
+                    runners[impl] = build(impl, hq, hkv, d, ctx, args.threads)
+                except Exception as e:  # a peer that cannot run this config: say so, keep going
+                    print(f"  {impl} {dims} ctx {ctx}: not run ({type(e).__name__}: {str(e)[:200]})", flush=True)
+            for n in args.threads:
+                for r in runners.values():
+                    r.set_threads(n)
+                # ExecuTorch's custom_sdpa is timed in its own group after the others: at 1 thread its
+                # calls take seconds here and its thread pool disturbs whatever runs next
+                main_group = {k: v for k, v in runners.items() if k not in ISOLATED}
+                ms = time_cell(main_group, rounds, target) if main_group else {}
+                for k in ISOLATED:
+                    if k in runners:
+                        ms.update(time_cell({k: runners[k]}, max(3, rounds // 3), target))
+                for impl, m in ms.items():
+                    b = runners[impl].bytes
+                    rows.append(dict(impl=impl, ctx=ctx, threads=n, q_heads=hq, kv_heads=hkv, head_dim=d, ms=round(m, 4),
+                                     bandwidth_fraction=round(b / (m * 1e-3) / (bw["read_gbs"] * 1e9), 4),
+                                     bytes=int(b), gb_s=round(b / (m * 1e-3) / 1e9, 2)))
+                print(f"  {dims} ctx {ctx} threads {n}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()),
+                      flush=True)
+            del runners
+            print(f"  ({time.time() - t0:.0f}s)", flush=True)
+
+    for r in rows:
+        r["mem_read_gbs"] = round(bw["read_gbs"], 2)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    print()
+    print(markdown(rows, bw))
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+def markdown(rows, bw) -> str:
+    import onnxruntime
+
+    lines = [f"One decode step (T=1), {platform.machine()}, {os.cpu_count()} cores, onnxruntime "
+             f"{onnxruntime.__version__}; memory read bandwidth {bw['read_gbs']:.1f} GB/s (numpy). "
+             "ms = median; x = time / gqa-fp32, xi8 = time / gqa-int8; bw = fraction of the memory bandwidth.",
+             "",
+             "| dims q/kv/d | ctx | thr | impl | MiB read | ms | x fp32 | x int8 | GB/s | bw |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    key = lambda r: (r["q_heads"], r["kv_heads"], r["head_dim"], r["ctx"], r["threads"])  # noqa: E731
+    ref = {key(r) + (r["impl"],): r["ms"] for r in rows}
+    for r in rows:
+        f32 = ref.get(key(r) + ("gqa-fp32",))
+        i8 = ref.get(key(r) + ("gqa-int8",))
+        lines.append(
+            f"| {r['q_heads']}/{r['kv_heads']}/{r['head_dim']} | {r['ctx']} | {r['threads']} | {r['impl']} | "
+            f"{r['bytes'] / 2**20:.2f} | {r['ms']:.3f} | {r['ms'] / f32:.2f} | {r['ms'] / i8:.2f} | "
+            f"{r['gb_s']:.1f} | {r['bandwidth_fraction']:.2f} |" if f32 and i8 else
+            f"| {r['q_heads']}/{r['kv_heads']}/{r['head_dim']} | {r['ctx']} | {r['threads']} | {r['impl']} | "
+            f"{r['bytes'] / 2**20:.2f} | {r['ms']:.3f} | - | - | {r['gb_s']:.1f} | {r['bandwidth_fraction']:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
