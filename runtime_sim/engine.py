@@ -278,10 +278,7 @@ class Engine:
             if tok in stop_ids or i == max_new_tokens - 1:
                 conv.pending = [tok]  # fed at the start of the next turn
                 return
-            t0 = time.perf_counter()
-            logits = self._run([(conv, [tok])])[0]
-            self.counters.decode_tokens += 1
-            self.counters.decode_seconds += time.perf_counter() - t0
+            logits = self.step({cid: [tok]})[cid]
 
     # -- stats ---------------------------------------------------------------------------------
 
