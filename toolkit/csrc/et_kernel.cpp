@@ -1,10 +1,18 @@
 // ExecuTorch kernel library: registers pagedkv::quantized_paged_attention.out (the in-place form:
 // codes/scales/stage are mutable buffers updated in place; `out` is [1, T, Hq, D] float32).
+//
+// It also remembers, per layer, where the pool tensors of the most recent successful call live
+// (pagedkv_et_pool_view): the program's mutable buffers are otherwise out of reach of a host that runs
+// the .pte through ExecuTorch's Python bindings, and a runtime needs them to copy blocks (fork /
+// copy-on-write of a conversation) and tests need them to compare pools. The addresses stay valid as
+// long as the loaded program lives (its planned memory does not move).
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/core/exec_aten/util/tensor_util.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
 #include <executorch/runtime/platform/log.h>
 
+#include <cstdint>
+#include <mutex>
 #include <vector>
 
 #include "pagedkv_core.h"
@@ -26,6 +34,25 @@ struct TensorDims {
   }
   pagedkv::Dims dims() const { return pagedkv::Dims{d, n}; }
 };
+
+struct PoolView {
+  void* data[3] = {nullptr, nullptr, nullptr};  // codes, scales, stage
+  int64_t nbytes[3] = {0, 0, 0};
+};
+std::mutex g_views_mutex;
+std::vector<PoolView> g_views;  // by layer
+
+void remember_pools(int64_t layer, Tensor& codes, Tensor& scales, Tensor& stage) {
+  if (layer < 0 || layer > 4096) return;
+  std::lock_guard<std::mutex> lk(g_views_mutex);
+  if ((size_t)layer >= g_views.size()) g_views.resize((size_t)layer + 1);
+  PoolView& v = g_views[(size_t)layer];
+  Tensor* t[3] = {&codes, &scales, &stage};
+  for (int i = 0; i < 3; ++i) {
+    v.data[i] = t[i]->mutable_data_ptr();
+    v.nbytes[i] = (int64_t)t[i]->nbytes();
+  }
+}
 
 Tensor& fail(KernelRuntimeContext& ctx, Tensor& out, const char* msg) {
   ET_LOG(Error, "%s", msg);
@@ -83,9 +110,24 @@ Tensor& quantized_paged_attention_out(KernelRuntimeContext& ctx, const Tensor& q
   b.out = out.mutable_data_ptr<float>();
   rc = pagedkv::paged_attention(p, b, err, sizeof err);
   if (rc) return fail(ctx, out, err);
+  remember_pools(layer, codes, scales, stage);
   return out;
 }
 
 }  // namespace
+
+// Where the pool tensor `which` (0 codes, 1 scales, 2 stage) of `layer` lived in the most recent
+// successful call of the op for that layer. Returns 1 and sets *data / *nbytes, or 0 if that layer
+// has not run yet.
+extern "C" __attribute__((visibility("default"))) int pagedkv_et_pool_view(int64_t layer, int which, void** data,
+                                                                           int64_t* nbytes) {
+  std::lock_guard<std::mutex> lk(g_views_mutex);
+  if (layer < 0 || (size_t)layer >= g_views.size() || which < 0 || which > 2) return 0;
+  const PoolView& v = g_views[(size_t)layer];
+  if (!v.data[which]) return 0;
+  *data = v.data[which];
+  *nbytes = v.nbytes[which];
+  return 1;
+}
 
 EXECUTORCH_LIBRARY(pagedkv, "quantized_paged_attention.out", quantized_paged_attention_out);

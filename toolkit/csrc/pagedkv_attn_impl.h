@@ -14,7 +14,12 @@
 //   void v_accum(const QuantRun&, const float* p, int ldp, int G, float* acc);
 //   float exp_sub(float* x, int n, float m);   // x[i] = exp(x[i] - m), returns the sum
 //   float max_n(const float* x, int n);       // max of x[0..n), n >= 1
-//   void q_order(const float* q, int n, int k_bits, float* out);  // q in the order q_scores reads
+//   void q_prepare(const float* q, int G, int D, int k_bits, int k_group, float* out);
+//        // the G query rows in the form q_scores reads (lane order, or int8 limbs: see
+//        // split_q_limbs); out has room for 2 * G * D floats
+// Optional row-wise softmax helpers (all G rows of sc at once, fewer horizontal reductions):
+//   void row_max(const float* sc, int ldsc, int G, int n, float* out);           // out[g] = max row g
+//   void row_exp(float* sc, int ldsc, int G, int n, const float* m, float* sum);  // exp_sub per row
 // It never materialises the dequantized rows: scores = s * dot(q, u - c) (+ z * sum(q) when
 // asymmetric) per group, and V accumulates (p * s) * (u - c) (+ p * z), the same quantities
 // in another summation order (outputs agree with the reference to ~1e-6).
@@ -47,6 +52,11 @@ struct QuantRun {
 };
 
 template <class T, class = void>
+struct HasRowOps : std::false_type {};
+template <class T>
+struct HasRowOps<T, std::void_t<decltype(&T::row_max), decltype(&T::row_exp)>> : std::true_type {};
+
+template <class T, class = void>
 struct HasFastQuant : std::false_type {};
 template <class T>
 struct HasFastQuant<T, std::void_t<decltype(T::kFastQuant)>> : std::integral_constant<bool, T::kFastQuant> {};
@@ -65,8 +75,10 @@ struct Attend {
   float* mx;      // [G]
   float* l;       // [G]
   float* qsum;    // [G, D / k_group] sums of q per K group (fast path, asymmetric K)
-  float* qk;      // [G, D] q in the lane order of Ops::q_scores (fast path)
+  float* qk;      // [2 * G * D] q as Ops::q_prepare wrote it (fast path)
   float* metaf;   // [bs * Ws] (fast path)
+  float* rowm;    // [G] block maxima, then the new running maxima (row ops)
+  float* rows;    // [G] row sums (row ops)
   const float* q;
   bool fast;      // quantized blocks go through Ops' fused path
 
@@ -83,7 +95,9 @@ struct Attend {
     mx = s; s += G;
     l = s; s += G;
     qsum = s; s += (size_t)G * 32;
-    qk = s; s += (size_t)G * D;
+    qk = s; s += 2 * (size_t)G * D;
+    rowm = s; s += G;
+    rows = s; s += G;
     metaf = s;
     fast = kHasFast && c.quantized && (P.k_bits == 8 || P.k_bits == 4) && (P.v_bits == 8 || P.v_bits == 4) &&
            D % 16 == 0 && c.k_group % 16 == 0 && c.v_group % 16 == 0 && D / c.k_group <= 32 &&
@@ -145,6 +159,20 @@ struct Attend {
   // online softmax over the n scores in sc: rescale the state, scores -> probabilities
   void softmax(int n) {
     const float cap = P.softcap;
+    if constexpr (HasRowOps<Ops>::value) {
+      if (cap > 0.f)
+        for (int g = 0; g < G; ++g)
+          for (int i = 0; i < n; ++i) sc[(size_t)g * bs + i] = std::tanh(sc[(size_t)g * bs + i] / cap) * cap;
+      Ops::row_max(sc, bs, G, n, rowm);
+      for (int g = 0; g < G; ++g) {
+        const float mnew = rowm[g] > mx[g] ? rowm[g] : mx[g];
+        if (mnew > mx[g]) rescale(g, mx[g], mnew);
+        rowm[g] = mnew;
+      }
+      Ops::row_exp(sc, bs, G, n, rowm, rows);
+      for (int g = 0; g < G; ++g) l[g] += rows[g];
+      return;
+    }
     for (int g = 0; g < G; ++g) {
       float* sg = sc + (size_t)g * bs;
       if (cap > 0.f)
@@ -157,14 +185,17 @@ struct Attend {
         for (int i = 1; i < n; ++i) bm = sg[i] > bm ? sg[i] : bm;
       }
       const float mnew = bm > mx[g] ? bm : mx[g];
-      if (mnew > mx[g]) {
-        const float corr = std::exp(mx[g] - mnew);  // exp(-inf) = 0 on the first block
-        l[g] *= corr;
-        Ops::scale(acc + (size_t)g * D, corr, D);
-        mx[g] = mnew;
-      }
+      if (mnew > mx[g]) rescale(g, mx[g], mnew);
       l[g] += exp_sub(sg, n, mnew);
     }
+  }
+
+  // a new running maximum for row g: rescale its state
+  void rescale(int g, float mold, float mnew) {
+    const float corr = std::exp(mold - mnew);  // exp(-inf) = 0 on the first block
+    l[g] *= corr;
+    Ops::scale(acc + (size_t)g * D, corr, D);
+    mx[g] = mnew;
   }
 
   // fused path: n quantized records
@@ -219,7 +250,7 @@ struct Attend {
     std::memset(acc, 0, sizeof(float) * (size_t)G * D);
     std::memset(sc, 0, sizeof(float) * (size_t)G * bs);  // the fast path reads whole vectors of sc rows
     if constexpr (kHasFast) {
-      if (fast) Ops::q_order(q, G * D, P.k_bits, qk);
+      if (fast) Ops::q_prepare(q, G, D, P.k_bits, c.k_group, qk);
     }
     if (fast) {
       const int ngk = D / c.k_group;

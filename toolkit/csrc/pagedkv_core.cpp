@@ -254,6 +254,13 @@ bool isa_available(Isa isa) {
 #else
       return false;
 #endif
+    case Isa::kAvx512:
+#if defined(PAGEDKV_HAVE_AVX512)
+      return isa_available(Isa::kAvx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+      return false;
+#endif
     case Isa::kNeon:
 #if defined(PAGEDKV_HAVE_NEON)
       return true;
@@ -275,6 +282,7 @@ const char* isa_name(Isa isa) {
     case Isa::kAuto: return "auto";
     case Isa::kScalar: return "scalar";
     case Isa::kAvx2: return "avx2";
+    case Isa::kAvx512: return "avx512";
     case Isa::kNeon: return "neon";
     case Isa::kNeonDot: return "neon-dotprod";
   }
@@ -284,10 +292,10 @@ const char* isa_name(Isa isa) {
 static Isa best_isa() {
   const char* env = std::getenv("PAGEDKV_ISA");
   if (env) {
-    for (Isa i : {Isa::kScalar, Isa::kAvx2, Isa::kNeon, Isa::kNeonDot})
+    for (Isa i : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kNeonDot})
       if (std::strcmp(env, isa_name(i)) == 0 && isa_available(i)) return i;
   }
-  for (Isa i : {Isa::kNeonDot, Isa::kNeon, Isa::kAvx2})
+  for (Isa i : {Isa::kNeonDot, Isa::kNeon, Isa::kAvx512, Isa::kAvx2})
     if (isa_available(i)) return i;
   return Isa::kScalar;
 }
@@ -313,6 +321,9 @@ static AttendFn attend_fn(Isa isa) {
   switch (isa) {
 #if defined(PAGEDKV_HAVE_AVX2)
     case Isa::kAvx2: return attend_avx2;
+#endif
+#if defined(PAGEDKV_HAVE_AVX512)
+    case Isa::kAvx512: return attend_avx512;
 #endif
 #if defined(PAGEDKV_HAVE_NEON)
     case Isa::kNeon: return attend_neon;

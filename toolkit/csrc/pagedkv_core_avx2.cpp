@@ -251,8 +251,8 @@ struct Avx2Ops {
     }
   }
   // q in the lane order q_scores reads for k_bits (4 bits: evens/odds per 16 dims)
-  static void q_order(const float* q, int n, int k_bits, float* out) {
-    for (int j = 0; j < n; j += 16) {
+  static void q_prepare(const float* q, int G, int D, int k_bits, int k_group, float* out) {
+    for (int j = 0; j < G * D; j += 16) {
       __m256 a = _mm256_loadu_ps(q + j), b = _mm256_loadu_ps(q + j + 8);
       if (k_bits == 4) permute16(a, b, a, b);
       _mm256_storeu_ps(out + j, a);

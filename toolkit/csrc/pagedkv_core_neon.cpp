@@ -1,77 +1,99 @@
-// NEON attention path (aarch64). Dequantized values are bit-identical to the scalar path.
-// attend_neon_dot is selected at run time when the CPU has the dotprod extension
-// (getauxval(AT_HWCAP) & HWCAP_ASIMDDP); it currently shares the plain NEON kernel (see TODO).
-#include <arm_neon.h>
+// Plain NEON attention path (aarch64, ARMv8.0: also runs on a Cortex-A53). The generic path
+// dequantizes bit-identically to the scalar path; quantized 8/4-bit blocks take the fused fp32 path
+// (scores below, V accumulation and softmax from pagedkv_neon_ops.h), which never writes dequantized
+// rows. The dotprod path (attend_neon_dot, selected at run time when getauxval(AT_HWCAP) &
+// HWCAP_ASIMDDP) is pagedkv_core_neon_dot.cpp.
+#include <algorithm>
+#include <cstring>
 
-#include "pagedkv_attn_impl.h"
+#include "pagedkv_neon_ops.h"
 
 namespace pagedkv {
 namespace {
 
-struct NeonOps {
-  static float dot(const float* a, const float* b, int n) {
-    float32x4_t s0 = vdupq_n_f32(0.f), s1 = vdupq_n_f32(0.f);
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-      s0 = vfmaq_f32(s0, vld1q_f32(a + i), vld1q_f32(b + i));
-      s1 = vfmaq_f32(s1, vld1q_f32(a + i + 4), vld1q_f32(b + i + 4));
-    }
-    float s = vaddvq_f32(vaddq_f32(s0, s1));
-    for (; i < n; ++i) s += a[i] * b[i];
-    return s;
-  }
-  static void axpy(float* y, float a, const float* x, int n) {
-    int i = 0;
-    for (; i + 4 <= n; i += 4) vst1q_f32(y + i, vfmaq_n_f32(vld1q_f32(y + i), vld1q_f32(x + i), a));
-    for (; i < n; ++i) y[i] += a * x[i];
-  }
-  static void scale(float* y, float a, int n) {
-    int i = 0;
-    for (; i + 4 <= n; i += 4) vst1q_f32(y + i, vmulq_n_f32(vld1q_f32(y + i), a));
-    for (; i < n; ++i) y[i] *= a;
-  }
-  static void f16_to_f32(const uint16_t* h, float* out, int n) {
-    int i = 0;
-    for (; i + 4 <= n; i += 4) vst1q_f32(out + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h + i))));
-    for (; i < n; ++i) out[i] = fp16_to_fp32(h[i]);
-  }
-  static void unpack4(const uint8_t* codes, int n, uint8_t* out) {
-    const uint8x16_t mask = vdupq_n_u8(0x0f);
-    int i = 0;
-    for (; i + 32 <= n; i += 32) {
-      const uint8x16_t b = vld1q_u8(codes + i / 2);
-      const uint8x16x2_t z = vzipq_u8(vandq_u8(b, mask), vshrq_n_u8(b, 4));
-      vst1q_u8(out + i, z.val[0]);
-      vst1q_u8(out + i + 16, z.val[1]);
-    }
-    for (; i + 1 < n; i += 2) {
-      out[i] = codes[i / 2] & 0x0f;
-      out[i + 1] = codes[i / 2] >> 4;
-    }
-  }
-  static void dequant_u8(const uint8_t* u, const uint16_t* meta, int d, int group, bool sym, int bits, float* out) {
-    const int ng = d / group;
-    const float c = (float)(1 << (bits - 1));
-    for (int g = 0; g < ng; ++g) {
-      const float s = fp16_to_fp32(meta[g]);
-      const float z = sym ? 0.f : fp16_to_fp32(meta[ng + g]);
-      const int i0 = g * group, i1 = i0 + group;
-      int i = i0;
-      const float32x4_t vs = vdupq_n_f32(s), vz = vdupq_n_f32(z), vc = vdupq_n_f32(c);
-      for (; i + 8 <= i1; i += 8) {
-        const uint16x8_t w = vmovl_u8(vld1_u8(u + i));
-        const float32x4_t f0 = vcvtq_f32_u32(vmovl_u16(vget_low_u16(w)));
-        const float32x4_t f1 = vcvtq_f32_u32(vmovl_u16(vget_high_u16(w)));
-        // separate mul and add (no fused multiply-add): same rounding as the reference
-        if (sym) {
-          vst1q_f32(out + i, vmulq_f32(vsubq_f32(f0, vc), vs));
-          vst1q_f32(out + i + 4, vmulq_f32(vsubq_f32(f1, vc), vs));
-        } else {
-          vst1q_f32(out + i, vaddq_f32(vmulq_f32(f0, vs), vz));
-          vst1q_f32(out + i + 4, vaddq_f32(vmulq_f32(f1, vs), vz));
+// [sum(v0), sum(v1), sum(v2), sum(v3)]
+inline float32x4_t hsum4(float32x4_t v0, float32x4_t v1, float32x4_t v2, float32x4_t v3) {
+  return vpaddq_f32(vpaddq_f32(v0, v1), vpaddq_f32(v2, v3));
+}
+
+// Scores of keys i, i+1 (NK = 2) or i (NK = 1) for GN <= 4 query heads, in fp32:
+// score = scale * sum_groups (s * dot(q, u - c) [+ (z + c * s) * sum(q)]), c = 2^(b-1) (the centred
+// form of s * u + z, see vacc_tile).
+template <int BITS, bool SYM, int GN, int NK>
+inline void scores_keys(const QuantRun& r, const uint8_t* c0, const float* m0, const float* q, const float* qsum,
+                        float scale, float* sc, int ldsc, int i) {
+  const int D = r.D, kg = r.k_group, ngk = D / kg;
+  float32x4_t tot[NK];  // lanes: heads 0..3
+  for (int k = 0; k < NK; ++k) tot[k] = vdupq_n_f32(0.f);
+  for (int gi = 0; gi < ngk; ++gi) {
+    float32x4_t acc[NK][4];  // heads >= GN stay 0
+    for (int k = 0; k < NK; ++k)
+      for (int g = 0; g < 4; ++g) acc[k][g] = vdupq_n_f32(0.f);
+    for (int j = gi * kg; j < (gi + 1) * kg; j += 16) {
+      float32x4_t x[NK][4];
+      for (int k = 0; k < NK; ++k) load16f<BITS>(c0 + (size_t)k * r.W, j, x[k]);
+      for (int g = 0; g < GN; ++g)
+        for (int v = 0; v < 4; ++v) {
+          const float32x4_t qv = vld1q_f32(q + (size_t)g * D + j + 4 * v);
+          for (int k = 0; k < NK; ++k) acc[k][g] = vfmaq_f32(acc[k][g], qv, x[k][v]);
         }
-      }
-      for (; i < i1; ++i) out[i] = sym ? ((float)u[i] - c) * s : (float)u[i] * s + z;
+    }
+    float qa[4] = {0.f, 0.f, 0.f, 0.f};
+    if (!SYM)
+      for (int g = 0; g < GN; ++g) qa[g] = qsum[(size_t)g * ngk + gi];
+    const float32x4_t qs = vld1q_f32(qa);
+    for (int k = 0; k < NK; ++k) {
+      const float* mk = m0 + (size_t)k * r.Ws;
+      tot[k] = vfmaq_n_f32(tot[k], hsum4(acc[k][0], acc[k][1], acc[k][2], acc[k][3]), mk[gi]);
+      if (!SYM) tot[k] = vfmaq_n_f32(tot[k], qs, mk[ngk + gi] + (float)(1 << (BITS - 1)) * mk[gi]);
+    }
+  }
+  for (int k = 0; k < NK; ++k) {
+    float out[4];
+    vst1q_f32(out, vmulq_n_f32(tot[k], scale));
+    for (int g = 0; g < GN; ++g) sc[(size_t)g * ldsc + i + k] = out[g];
+  }
+}
+
+template <int BITS, bool SYM, int GN>
+void scores_tile(const QuantRun& r, const float* q, const float* qsum, float scale, float* sc, int ldsc) {
+  int i = 0;
+  for (; i + 2 <= r.n; i += 2)
+    scores_keys<BITS, SYM, GN, 2>(r, r.codes + (size_t)i * r.W, r.metaf + (size_t)i * r.Ws, q, qsum, scale, sc, ldsc, i);
+  if (i < r.n)
+    scores_keys<BITS, SYM, GN, 1>(r, r.codes + (size_t)i * r.W, r.metaf + (size_t)i * r.Ws, q, qsum, scale, sc, ldsc, i);
+}
+
+template <int BITS, bool SYM>
+void scores_all(const QuantRun& r, const float* q, const float* qsum, int G, float scale, float* sc, int ldsc) {
+  const int ngk = r.D / r.k_group;
+  for (int g0 = 0; g0 < G; g0 += 4) {
+    const float* qq = q + (size_t)g0 * r.D;
+    const float* qs = qsum + (size_t)g0 * ngk;
+    float* s = sc + (size_t)g0 * ldsc;
+    switch (std::min(4, G - g0)) {
+      case 4: scores_tile<BITS, SYM, 4>(r, qq, qs, scale, s, ldsc); break;
+      case 3: scores_tile<BITS, SYM, 3>(r, qq, qs, scale, s, ldsc); break;
+      case 2: scores_tile<BITS, SYM, 2>(r, qq, qs, scale, s, ldsc); break;
+      default: scores_tile<BITS, SYM, 1>(r, qq, qs, scale, s, ldsc); break;
+    }
+  }
+}
+
+struct NeonFp32Ops : NeonFusedOps {
+  static constexpr bool kFastQuant = true;
+
+  // load16f yields dims in natural order for both widths: q as is
+  static void q_prepare(const float* q, int G, int D, int k_bits, int k_group, float* out) {
+    std::memcpy(out, q, sizeof(float) * (size_t)G * D);
+  }
+  static void q_scores(const QuantRun& r, const float* q, const float* qsum, int G, float scale, float* sc, int ldsc) {
+    // the run's fp16 scales/zeros as float32, once (v_accum reuses them)
+    f16_to_f32(r.meta, r.metaf, r.n * (int)r.Ws);
+    if (r.k_bits == 8) {
+      r.k_sym ? scores_all<8, true>(r, q, qsum, G, scale, sc, ldsc) : scores_all<8, false>(r, q, qsum, G, scale, sc, ldsc);
+    } else {
+      r.k_sym ? scores_all<4, true>(r, q, qsum, G, scale, sc, ldsc) : scores_all<4, false>(r, q, qsum, G, scale, sc, ldsc);
     }
   }
 };
@@ -79,12 +101,8 @@ struct NeonOps {
 }  // namespace
 
 void attend_neon(const AttnContext& c, int t, int h, float* scratch) {
-  impl::Attend<NeonOps> a(c, scratch);
+  impl::Attend<NeonFp32Ops> a(c, scratch);
   a(t, h);
 }
-
-// TODO(sdot): an int8 `sdot` key path for k_bits == 8 that keeps ~1e-5 agreement with the reference
-// (q split into int8 limbs). Until then the dotprod selection runs the plain NEON kernel.
-void attend_neon_dot(const AttnContext& c, int t, int h, float* scratch) { attend_neon(c, t, h, scratch); }
 
 }  // namespace pagedkv

@@ -287,7 +287,7 @@ static void test_attention_vs_naive() {
 
 static void test_paths_agree() {
   std::vector<Isa> paths;
-  for (Isa i : {Isa::kAvx2, Isa::kNeon, Isa::kNeonDot})
+  for (Isa i : {Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kNeonDot})
     if (isa_available(i)) paths.push_back(i);
   std::printf("code paths: scalar");
   for (Isa i : paths) std::printf(" %s", isa_name(i));
@@ -313,6 +313,57 @@ static void test_paths_agree() {
       CHECK(c1.codes == c0.codes && c1.scales == c0.scales && c1.stage == c0.stage, "%s pools differ", isa_name(isa));
       const float e = max_rel(out1, out0);
       CHECK(e < 1e-4f, "%s vs scalar trial %d: max rel err %g", isa_name(isa), trial, e);
+    }
+  }
+  set_isa(Isa::kAuto);
+}
+
+// Other groups / symmetry than make_case's (32, 32, sym K, asym V): new record widths, empty pools.
+static void set_quant_spec(Case& c, int k_group, int v_group, bool k_sym, bool v_sym) {
+  PagedAttnParams& p = c.p;
+  p.k_group = k_group, p.v_group = v_group, p.k_sym = k_sym, p.v_sym = v_sym;
+  record_widths(p, &p.code_width, &p.scale_width);
+  c.codes.assign((size_t)c.NB * c.Hkv * c.bs * p.code_width, 0);
+  c.scales.assign((size_t)c.NB * c.Hkv * c.bs * std::max(1, p.scale_width), 0);
+}
+
+// Quantized specs whose sequences span several full blocks, so the fused fast path (8/4-bit K and V,
+// groups of 16k, bs <= 32, bs % 8 == 0) runs over many blocks: the default spec (K8 sym g64, V4 asym
+// g32, rotate, fp tail, sink block) and variations of group size, symmetry, G (tiles of 4 heads and
+// a remainder), window (odd run lengths) and softcap.
+static void test_quant_paths_agree() {
+  struct Cfg { int G, D, bs, kb, vb, kg, vg; bool ks, vs; int window; float cap; std::vector<int> lens; };
+  const std::vector<Cfg> cfgs = {
+      {3, 64, 16, 8, 4, 64, 32, true, false, 0, 0.f, {200, 37}},      // the default spec
+      {4, 128, 32, 8, 4, 32, 32, true, false, 0, 0.f, {150, 70}},
+      {5, 64, 16, 8, 8, 64, 16, false, true, 45, 0.f, {120, 9}},      // asym K, sym V 8-bit, window
+      {2, 128, 8, 4, 8, 16, 64, false, true, 0, 20.f, {90, 33}},      // 4-bit asym K, softcap
+      {8, 256, 32, 4, 4, 128, 256, true, true, 0, 0.f, {100}},
+      {1, 64, 16, 4, 4, 64, 64, false, false, 33, 0.f, {130, 64}},
+  };
+  std::vector<Isa> paths;
+  for (Isa i : {Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kNeonDot})
+    if (isa_available(i)) paths.push_back(i);
+  for (size_t n = 0; n < cfgs.size(); ++n) {
+    const Cfg& f = cfgs[n];
+    Case base = make_case(2 * f.G, 2, f.D, f.bs, f.kb, f.vb, true, true, 1, f.window, f.cap, n % 2 == 0, 0, f.lens);
+    set_quant_spec(base, f.kg, f.vg, f.ks, f.vs);
+    if (n == 0) {  // a zero query row and a small-magnitude head
+      std::fill(base.q.begin(), base.q.begin() + f.D, 0.f);
+      for (size_t i = (size_t)base.p.T * f.D; i < (size_t)2 * base.p.T * f.D; ++i) base.q[i] *= 1e-2f;
+    }
+    set_isa(Isa::kScalar);
+    Case c0 = base;
+    std::vector<float> out0;
+    CHECK(run_case(c0, out0) == 0, "run");
+    for (Isa isa : paths) {
+      set_isa(isa);
+      Case c1 = base;
+      std::vector<float> out1;
+      run_case(c1, out1);
+      CHECK(c1.codes == c0.codes && c1.scales == c0.scales && c1.stage == c0.stage, "%s pools differ", isa_name(isa));
+      const float e = max_rel(out1, out0);
+      CHECK(e < 1e-4f, "%s vs scalar, quantized spec %zu: max rel err %g", isa_name(isa), n, e);
     }
   }
   set_isa(Isa::kAuto);
@@ -354,6 +405,7 @@ int main() {
   test_quant_roundtrip();
   test_attention_vs_naive();
   test_paths_agree();
+  test_quant_paths_agree();
   test_errors();
   test_threads();
   std::printf("active path: %s, threads %d\n", isa_name(active_isa()), num_threads());

@@ -1,0 +1,522 @@
+// AVX-512 attention path (compiled with -mavx512f/bw/vl/dq + AVX2/FMA/F16C; the caller checks the CPU
+// before selecting it). Same structure as the AVX2 path, 16 lanes wide:
+//   K scores: per key, the group dot products of all query heads from one load of the key's codes
+//     (q rows stay in L1), scaled per group, then 16 keys x 1 head are reduced at once by a transpose-add
+//     tree (2.8 shuffles/adds per score instead of a full horizontal sum each).
+//   V: 64 dims x all heads of accumulators live in registers while the block's keys stream by;
+//     4-bit codes are split into their nibbles without interleaving (evens/odds lane order, undone once
+//     per block).
+// Dequantized values are never written; sums run in another order than the reference (agreement ~1e-6).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "pagedkv_attn_impl.h"
+
+namespace pagedkv {
+namespace {
+
+using impl::QuantRun;
+
+inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+inline __mmask16 first_n(int n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u); }
+
+// ---- K scores ------------------------------------------------------------------------------------
+
+// 16 codes of a record (dims j..j+15) as floats: u - 2^(b-1) when SYM (exact small integers), else u.
+// 8 bits: natural order. 4 bits: the 8 bytes of dims j..j+15 are widened and split into nibbles ->
+// lanes 0-7 = even dims, 8-15 = odd dims (q_prepare stores q in that order).
+template <int BITS, bool SYM>
+inline __m512 load16(const uint8_t* codes, int j) {
+  __m512i x;
+  if (BITS == 8) {
+    x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j)));
+  } else {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + j / 2)));
+    const __m256i lo = _mm256_and_si256(b, _mm256_set1_epi32(0x0f)), hi = _mm256_srli_epi32(b, 4);
+    x = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  }
+  if (SYM) x = _mm512_sub_epi32(x, _mm512_set1_epi32(1 << (BITS - 1)));
+  return _mm512_cvtepi32_ps(x);
+}
+
+// sums of 16 vectors v[0..15] (stride 16 floats): lane k = sum of the lanes of v[k]
+inline __m512 reduce16(const float* v) {
+  __m512 c[4];
+  for (int q = 0; q < 4; ++q) {
+    const float* w = v + q * 64;
+    const __m512 v0 = _mm512_load_ps(w), v1 = _mm512_load_ps(w + 16);
+    const __m512 v2 = _mm512_load_ps(w + 32), v3 = _mm512_load_ps(w + 48);
+    // per 128-bit lane: a = [v0 0+2, v1 0+2, v0 1+3, v1 1+3], b the same for v2, v3
+    const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1));
+    const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3));
+    // per 128-bit lane: [v0, v1, v2, v3] partial sums of that lane
+    c[q] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xee));
+  }
+  // add the four 128-bit lanes of each c: lanes of the result = v0..v15
+  const __m512 d = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44), _mm512_shuffle_f32x4(c[0], c[1], 0xee));
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44), _mm512_shuffle_f32x4(c[2], c[3], 0xee));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d, e, 0x88), _mm512_shuffle_f32x4(d, e, 0xdd));
+}
+
+// [sum(v0), sum(v1), sum(v2), sum(v3)] (lane sums, one transpose-add tree)
+inline __m128 hsum4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+  const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1));
+  const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3));
+  const __m512 c = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xee));
+  const __m512 d = _mm512_add_ps(c, _mm512_shuffle_f32x4(c, c, 0x4e));
+  return _mm512_castps512_ps128(_mm512_add_ps(d, _mm512_shuffle_f32x4(d, d, 0xb1)));
+}
+
+// Scores of the run's keys for GN <= 4 query heads. tv: scratch [GN][32][16] (64-byte aligned).
+// score = scale * sum_groups s_k * dot(q, u - c)              (sym, c = 2^(b-1))
+//       = scale * sum_groups (s_k * dot(q, u) + z_k * sum(q))   (asym)
+// Per key and head the group sums stay in one vector; the vectors of 16 keys are reduced together by
+// reduce16.
+// NCH: 16-dim chunks per K group when it is 1, 2 or 4 (unrolled, two keys interleaved), else 0 (loop).
+template <int BITS, bool SYM, int GN, int NCH>
+void scores_tile(const QuantRun& r, const float* q, const float* qsum, float scale, float* sc, int ldsc, float* tv) {
+  const int D = r.D, kg = NCH ? NCH * 16 : r.k_group, ngk = D / kg, n = r.n;
+  int i = 0;
+  if constexpr (NCH > 0) {
+    for (; i + 2 <= n; i += 2) {
+      const uint8_t* c0 = r.codes + (size_t)i * r.W;
+      const uint8_t* c1 = c0 + r.W;
+      const float* m0 = r.metaf + (size_t)i * r.Ws;
+      const float* m1 = m0 + r.Ws;
+      __m512 t0[GN], t1[GN];
+      for (int gi = 0; gi < ngk; ++gi) {
+        __m512 a0[GN], a1[GN];
+        for (int g = 0; g < GN; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
+        for (int ch = 0; ch < NCH; ++ch) {
+          const int j = gi * kg + ch * 16;
+          const __m512 x0 = load16<BITS, SYM>(c0, j), x1 = load16<BITS, SYM>(c1, j);
+          for (int g = 0; g < GN; ++g) {
+            const __m512 qv = _mm512_loadu_ps(q + (size_t)g * D + j);
+            a0[g] = _mm512_fmadd_ps(qv, x0, a0[g]);
+            a1[g] = _mm512_fmadd_ps(qv, x1, a1[g]);
+          }
+        }
+        if (ngk == 1) {
+          for (int g = 0; g < GN; ++g) t0[g] = a0[g], t1[g] = a1[g];
+        } else {
+          const __m512 s0 = _mm512_set1_ps(m0[gi]), s1 = _mm512_set1_ps(m1[gi]);
+          for (int g = 0; g < GN; ++g) {
+            t0[g] = gi ? _mm512_fmadd_ps(a0[g], s0, t0[g]) : _mm512_mul_ps(a0[g], s0);
+            t1[g] = gi ? _mm512_fmadd_ps(a1[g], s1, t1[g]) : _mm512_mul_ps(a1[g], s1);
+          }
+        }
+      }
+      for (int g = 0; g < GN; ++g) {
+        _mm512_store_ps(tv + ((size_t)g * 32 + i) * 16, t0[g]);
+        _mm512_store_ps(tv + ((size_t)g * 32 + i + 1) * 16, t1[g]);
+      }
+    }
+  }
+  for (; i < n; ++i) {
+    const uint8_t* c = r.codes + (size_t)i * r.W;
+    const float* m = r.metaf + (size_t)i * r.Ws;
+    __m512 tot[GN];
+    for (int gi = 0; gi < ngk; ++gi) {
+      __m512 a[GN];
+      for (int g = 0; g < GN; ++g) a[g] = _mm512_setzero_ps();
+      for (int j = gi * kg; j < (gi + 1) * kg; j += 16) {
+        const __m512 x = load16<BITS, SYM>(c, j);
+        for (int g = 0; g < GN; ++g) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (size_t)g * D + j), x, a[g]);
+      }
+      if (ngk == 1) {  // the scale is applied after the reduction, 16 keys at a time
+        for (int g = 0; g < GN; ++g) tot[g] = a[g];
+      } else {
+        const __m512 s = _mm512_set1_ps(m[gi]);
+        for (int g = 0; g < GN; ++g) tot[g] = gi ? _mm512_fmadd_ps(a[g], s, tot[g]) : _mm512_mul_ps(a[g], s);
+      }
+    }
+    for (int g = 0; g < GN; ++g) _mm512_store_ps(tv + ((size_t)g * 32 + i) * 16, tot[g]);
+  }
+  for (int i0 = 0; i0 < n; i0 += 16) {
+    const int cnt = std::min(16, n - i0);
+    // per key: scale * the K scale (one group; gathered, lanes = keys), or scale
+    __m512 mul = _mm512_set1_ps(scale);
+    if (ngk == 1) {
+      const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32((int)r.Ws));
+      mul = _mm512_mul_ps(mul, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), first_n(cnt), rows,
+                                                        r.metaf + (size_t)i0 * r.Ws, 4));
+    }
+    for (int g = 0; g < GN; ++g) {
+      __m512 s = _mm512_mul_ps(reduce16(tv + ((size_t)g * 32 + i0) * 16), mul);
+      if (!SYM) {  // + scale * z * sum(q over the group)
+        alignas(64) float zq[16] = {0.f};
+        for (int i = 0; i < cnt; ++i) {
+          const float* z = r.metaf + (size_t)(i0 + i) * r.Ws + ngk;
+          float t = 0.f;
+          for (int gi = 0; gi < ngk; ++gi) t += z[gi] * qsum[g * ngk + gi];
+          zq[i] = t * scale;
+        }
+        s = _mm512_add_ps(s, _mm512_load_ps(zq));
+      }
+      _mm512_mask_storeu_ps(sc + (size_t)g * ldsc + i0, first_n(cnt), s);
+    }
+  }
+}
+
+// ---- V accumulation ----------------------------------------------------------------------------
+
+// 32 dims j..j+31 of a record's V codes as two vectors (u - 2^(b-1) when SYM). 8 bits: a = dims
+// j..j+15, b = j+16..j+31. 4 bits: the 16 bytes are widened once and split into nibbles, so a = the
+// even dims j, j+2, .., j+30 and b = the odd dims (undone by unpermute32).
+template <int BITS, bool SYM>
+inline void load32(const uint8_t* codes, int j, __m512& a, __m512& b) {
+  __m512i x0, x1;
+  if (BITS == 8) {
+    x0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j)));
+    x1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j + 16)));
+  } else {
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j / 2)));
+    x0 = _mm512_and_si512(x, _mm512_set1_epi32(0x0f));
+    x1 = _mm512_srli_epi32(x, 4);
+  }
+  if (SYM) {
+    const __m512i c = _mm512_set1_epi32(1 << (BITS - 1));
+    x0 = _mm512_sub_epi32(x0, c);
+    x1 = _mm512_sub_epi32(x1, c);
+  }
+  a = _mm512_cvtepi32_ps(x0);
+  b = _mm512_cvtepi32_ps(x1);
+}
+
+// [evens of 32 dims], [odds] -> dims 0..15, 16..31
+inline void unpermute32(__m512& a, __m512& b) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  const __m512 x = _mm512_permutex2var_ps(a, lo, b), y = _mm512_permutex2var_ps(a, hi, b);
+  a = x;
+  b = y;
+}
+
+// One pass over the run's keys for DIMS (64, 32 or 16) dims j0.. of GN heads: the accumulators stay in
+// registers while the keys stream by (compile-time sizes, so nothing is spilled).
+// acc[g][d] += zt[g][group(d)] + sum_i coef[g][group(d)][i] * (u_i[d] - c)   (c = 2^(b-1) when SYM)
+template <int BITS, bool SYM, bool SPLIT, int GN, int DIMS>
+inline void vacc_pass(const QuantRun& r, const float* coef, const float* zt, int j0, float* acc) {
+  constexpr int NV = DIMS / 16;  // vectors per head
+  const int vg = r.v_group, n = r.n, D = r.D;
+  const uint8_t* vc = r.codes + r.kcb;
+  int go[NV];  // coef offset of the group of each vector's first dim
+  for (int v = 0; v < NV; ++v) {
+    // 4 bits: vector 2p holds the even dims of pair p, 2p+1 the odd ones; lanes 0-7 of both come from
+    // the pair's first 16 dims, lanes 8-15 from the last 16 (SPLIT: different groups, see below)
+    const int j = BITS == 4 && DIMS >= 32 ? j0 + (v / 2) * 32 : j0 + v * 16;
+    go[v] = j / vg * 32;
+  }
+  const int hi_off = DIMS >= 32 ? ((j0 + 16) / vg - j0 / vg) * 32 : 0;  // SPLIT: group step of lanes 8-15
+  __m512 A[GN][NV];  // start from the zero-point sums of the groups (asym; lane order as the coefs)
+  for (int g = 0; g < GN; ++g)
+    for (int v = 0; v < NV; ++v) {
+      A[g][v] = SYM ? _mm512_setzero_ps() : _mm512_set1_ps(zt[g * 32 + go[v] / 32]);
+      if (!SYM && BITS == 4 && SPLIT && DIMS >= 32)
+        A[g][v] = _mm512_mask_blend_ps(0xff00, A[g][v], _mm512_set1_ps(zt[g * 32 + (go[v] + hi_off) / 32]));
+    }
+  for (int i = 0; i < n; ++i) {
+    const uint8_t* c = vc + (size_t)i * r.W;
+    __m512 x[NV];
+    if constexpr (DIMS == 16) {
+      x[0] = load16<BITS, SYM>(c, j0);
+    } else {
+      for (int p = 0; p < NV / 2; ++p) load32<BITS, SYM>(c, j0 + p * 32, x[2 * p], x[2 * p + 1]);
+    }
+    for (int g = 0; g < GN; ++g) {
+      const float* cf = coef + (size_t)g * 32 * 32 + i;
+      for (int v = 0; v < NV; ++v) {
+        __m512 w = _mm512_set1_ps(cf[go[v]]);
+        if (BITS == 4 && SPLIT && DIMS >= 32) w = _mm512_mask_blend_ps(0xff00, w, _mm512_set1_ps(cf[go[v] + hi_off]));
+        A[g][v] = _mm512_fmadd_ps(w, x[v], A[g][v]);
+      }
+    }
+  }
+  const __m512i perm16 = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  for (int g = 0; g < GN; ++g) {
+    float* a = acc + (size_t)g * D + j0;
+    if (BITS == 4) {  // back to natural dim order
+      if constexpr (DIMS == 16) {
+        A[g][0] = _mm512_permutexvar_ps(perm16, A[g][0]);
+      } else {
+        for (int p = 0; p < NV / 2; ++p) unpermute32(A[g][2 * p], A[g][2 * p + 1]);
+      }
+    }
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a + v * 16, _mm512_add_ps(_mm512_loadu_ps(a + v * 16), A[g][v]));
+  }
+}
+
+// acc[g] += sum_i p[g][i] * v_i for GN <= 4 heads (g0..g0+GN-1 of the KV head), v_i = s * (u - c)
+// (sym, c = 2^(b-1)) or s * u + z (asym), as sum_i (p * s) * (u - c) [+ sum_i p * z]; the zero-point
+// sums of all (head, group) pairs are reduced four at a time.
+// SPLIT: v_group is not a multiple of 32, so lanes 0-7 and 8-15 of a 4-bit vector can belong to
+// different groups: their coefficients are blended per lane.
+template <int BITS, bool SYM, int GN, bool SPLIT>
+void vacc_tile(const QuantRun& r, const float* p, int ldp, float* acc) {
+  const int D = r.D, vg = r.v_group, ngv = D / vg, n = r.n;
+  alignas(64) float coef[4 * 32 * 32];  // [head][group][key]: p * s
+  alignas(64) float zt[4 * 32 + 4];     // [head][group]: sum_i p * z (asym)
+  __m512 zp[4];                         // pending p * z vectors for hsum4
+  int zn = 0, zi[4];
+  const __mmask16 m0 = first_n(n), m1 = first_n(n - 16);
+  // per group: the keys' scales and zeros as vectors (lanes = keys), gathered from the float meta
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32((int)r.Ws));
+  const float* mv = r.metaf + r.ksc;
+  const float* mv1 = mv + 16 * r.Ws;  // keys 16..31
+  for (int k = 0; k < ngv; ++k) {
+    const __m512 s0 = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m0, rows, mv + k, 4);
+    const __m512 s1 = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m1, rows, mv1 + k, 4);
+    __m512 z0 = _mm512_setzero_ps(), z1 = _mm512_setzero_ps();
+    if (!SYM) {
+      z0 = _mm512_mask_i32gather_ps(z0, m0, rows, mv + ngv + k, 4);
+      z1 = _mm512_mask_i32gather_ps(z1, m1, rows, mv1 + ngv + k, 4);
+    }
+    for (int g = 0; g < GN; ++g) {
+      const float* pg = p + (size_t)g * ldp;
+      const __m512 p0 = _mm512_maskz_loadu_ps(m0, pg), p1 = _mm512_maskz_loadu_ps(m1, pg + 16);
+      float* cf = coef + ((size_t)g * 32 + k) * 32;
+      _mm512_store_ps(cf, _mm512_mul_ps(p0, s0));
+      _mm512_store_ps(cf + 16, _mm512_mul_ps(p1, s1));
+      if (!SYM) {
+        zp[zn] = _mm512_fmadd_ps(p1, z1, _mm512_mul_ps(p0, z0));
+        zi[zn++] = g * 32 + k;
+        if (zn == 4) {
+          alignas(16) float t[4];
+          _mm_store_ps(t, hsum4(zp[0], zp[1], zp[2], zp[3]));
+          for (int e = 0; e < 4; ++e) zt[zi[e]] = t[e];
+          zn = 0;
+        }
+      }
+    }
+  }
+  if (zn) {
+    for (int e = zn; e < 4; ++e) zp[e] = _mm512_setzero_ps();
+    alignas(16) float t[4];
+    _mm_store_ps(t, hsum4(zp[0], zp[1], zp[2], zp[3]));
+    for (int e = 0; e < zn; ++e) zt[zi[e]] = t[e];
+  }
+  int j0 = 0;
+  for (; j0 + 64 <= D; j0 += 64) vacc_pass<BITS, SYM, SPLIT, GN, 64>(r, coef, zt, j0, acc);
+  if (j0 + 32 <= D) vacc_pass<BITS, SYM, SPLIT, GN, 32>(r, coef, zt, j0, acc), j0 += 32;
+  if (j0 < D) vacc_pass<BITS, SYM, SPLIT, GN, 16>(r, coef, zt, j0, acc);
+}
+
+// exp for the softmax only (Cephes-style range reduction + degree-6 polynomial, ~1 ulp); x <= 0 here.
+// Below -87.3 the result is 0 (no subnormal probabilities).
+inline __m512 exp512(__m512 x) {
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(e));
+}
+
+template <class F>
+inline void by_head_tiles(int G, F&& f) {
+  for (int g0 = 0; g0 < G; g0 += 4) f(g0, std::min(4, G - g0));
+}
+
+struct Avx512Ops {
+  static constexpr bool kFastQuant = true;
+
+  static void q_scores(const QuantRun& r, const float* q, const float* qsum, int G, float scale, float* sc, int ldsc) {
+    const size_t nm = (size_t)r.n * r.Ws;
+    size_t i = 0;
+    for (; i + 16 <= nm; i += 16)
+      _mm512_storeu_ps(r.metaf + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.meta + i))));
+    for (; i < nm; ++i) r.metaf[i] = h2f(r.meta[i]);
+    alignas(64) float tv[4 * 32 * 16];
+    const int ngk = r.D / r.k_group;
+    by_head_tiles(G, [&](int g0, int gn) {
+      const float* qq = q + (size_t)g0 * r.D;
+      const float* qs = qsum + (size_t)g0 * ngk;
+      float* s = sc + (size_t)g0 * ldsc;
+#define PAGEDKV_SCORES_G(B, S, NCH)                                           \
+  switch (gn) {                                                               \
+    case 4: scores_tile<B, S, 4, NCH>(r, qq, qs, scale, s, ldsc, tv); break;  \
+    case 3: scores_tile<B, S, 3, NCH>(r, qq, qs, scale, s, ldsc, tv); break;  \
+    case 2: scores_tile<B, S, 2, NCH>(r, qq, qs, scale, s, ldsc, tv); break;  \
+    default: scores_tile<B, S, 1, NCH>(r, qq, qs, scale, s, ldsc, tv); break; \
+  }
+#define PAGEDKV_SCORES(B, S)                                          \
+  switch (r.k_group) {                                                \
+    case 16: PAGEDKV_SCORES_G(B, S, 1) break;                         \
+    case 32: PAGEDKV_SCORES_G(B, S, 2) break;                         \
+    case 64: PAGEDKV_SCORES_G(B, S, 4) break;                         \
+    default: PAGEDKV_SCORES_G(B, S, 0) break;                         \
+  }
+      if (r.k_bits == 8) {
+        if (r.k_sym) { PAGEDKV_SCORES(8, true) } else { PAGEDKV_SCORES(8, false) }
+      } else {
+        if (r.k_sym) { PAGEDKV_SCORES(4, true) } else { PAGEDKV_SCORES(4, false) }
+      }
+#undef PAGEDKV_SCORES
+#undef PAGEDKV_SCORES_G
+    });
+  }
+
+  static void v_accum(const QuantRun& r, const float* p, int ldp, int G, float* acc) {
+    by_head_tiles(G, [&](int g0, int gn) {
+      const float* pp = p + (size_t)g0 * ldp;
+      float* a = acc + (size_t)g0 * r.D;
+      const bool split = r.v_group % 32 != 0;
+#define PAGEDKV_VACC(B, S, SP)                                \
+  switch (gn) {                                               \
+    case 4: vacc_tile<B, S, 4, SP>(r, pp, ldp, a); break;     \
+    case 3: vacc_tile<B, S, 3, SP>(r, pp, ldp, a); break;     \
+    case 2: vacc_tile<B, S, 2, SP>(r, pp, ldp, a); break;     \
+    default: vacc_tile<B, S, 1, SP>(r, pp, ldp, a); break;    \
+  }
+      if (r.v_bits == 8) {
+        if (r.v_sym) { PAGEDKV_VACC(8, true, false) } else { PAGEDKV_VACC(8, false, false) }
+      } else if (split) {
+        if (r.v_sym) { PAGEDKV_VACC(4, true, true) } else { PAGEDKV_VACC(4, false, true) }
+      } else {
+        if (r.v_sym) { PAGEDKV_VACC(4, true, false) } else { PAGEDKV_VACC(4, false, false) }
+      }
+#undef PAGEDKV_VACC
+    });
+  }
+
+  // q rows in the lane order q_scores reads (4-bit K: per 16 dims, the 8 even dims then the 8 odd)
+  static void q_prepare(const float* q, int G, int D, int k_bits, int k_group, float* out) {
+    const __m512i idx = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int j = 0; j < G * D; j += 16) {
+      __m512 a = _mm512_loadu_ps(q + j);
+      if (k_bits == 4) a = _mm512_permutexvar_ps(idx, a);
+      _mm512_storeu_ps(out + j, a);
+    }
+  }
+
+  // row-wise softmax helpers: rows of up to 32 keys, four rows per transpose-reduce
+  template <bool MAX>
+  static void rows_reduce(const float* x, int ldx, int G, int n, float* out) {
+    const __mmask16 m0 = first_n(n), m1 = first_n(n - 16);
+    const __m512 fill = _mm512_set1_ps(MAX ? -std::numeric_limits<float>::infinity() : 0.f);
+    auto row = [&](int g) {
+      if (g >= G) return fill;
+      const float* xg = x + (size_t)g * ldx;
+      const __m512 a = _mm512_mask_loadu_ps(fill, m0, xg);
+      if (n <= 16) return a;
+      const __m512 b = _mm512_mask_loadu_ps(fill, m1, xg + 16);
+      return MAX ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b);
+    };
+    auto op = [](__m512 a, __m512 b) { return MAX ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b); };
+    for (int g0 = 0; g0 < G; g0 += 4) {
+      const __m512 v0 = row(g0), v1 = row(g0 + 1), v2 = row(g0 + 2), v3 = row(g0 + 3);
+      const __m512 a = op(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1));
+      const __m512 b = op(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3));
+      const __m512 c = op(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xee));  // [r0 r1 r2 r3] per lane
+      const __m512 d = op(c, _mm512_shuffle_f32x4(c, c, 0x4e));
+      const __m512 e = op(d, _mm512_shuffle_f32x4(d, d, 0xb1));
+      _mm_mask_storeu_ps(out + g0, (__mmask8)((1u << std::min(4, G - g0)) - 1u), _mm512_castps512_ps128(e));
+    }
+  }
+  static void row_max(const float* sc, int ldsc, int G, int n, float* out) { rows_reduce<true>(sc, ldsc, G, n, out); }
+  static void row_exp(float* sc, int ldsc, int G, int n, const float* m, float* sum) {
+    const __mmask16 m0 = first_n(n), m1 = first_n(n - 16);
+    for (int g = 0; g < G; ++g) {
+      float* x = sc + (size_t)g * ldsc;
+      const __m512 vm = _mm512_set1_ps(m[g]);
+      _mm512_mask_storeu_ps(x, m0, _mm512_maskz_mov_ps(m0, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m0, x), vm))));
+      if (n > 16)
+        _mm512_mask_storeu_ps(x + 16, m1, _mm512_maskz_mov_ps(m1, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m1, x + 16), vm))));
+    }
+    rows_reduce<false>(sc, ldsc, G, n, sum);
+  }
+
+  static float max_n(const float* x, int n) {
+    __m512 m = _mm512_set1_ps(x[0]);
+    for (int i = 0; i < n; i += 16) m = _mm512_mask_max_ps(m, first_n(n - i), m, _mm512_maskz_loadu_ps(first_n(n - i), x + i));
+    return _mm512_reduce_max_ps(m);
+  }
+
+  static float exp_sub(float* x, int n, float m) {
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512 vs = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+      const __mmask16 k = first_n(n - i);
+      const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vm)));
+      _mm512_mask_storeu_ps(x + i, k, e);
+      vs = _mm512_add_ps(vs, e);
+    }
+    return _mm512_reduce_add_ps(vs);
+  }
+
+  // ---- generic path primitives
+  static float dot(const float* a, const float* b, int n) {
+    __m512 s = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+      const __mmask16 k = first_n(n - i);
+      s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i), s);
+    }
+    return _mm512_reduce_add_ps(s);
+  }
+  static void axpy(float* y, float a, const float* x, int n) {
+    const __m512 va = _mm512_set1_ps(a);
+    for (int i = 0; i < n; i += 16) {
+      const __mmask16 k = first_n(n - i);
+      _mm512_mask_storeu_ps(y + i, k, _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(k, x + i), _mm512_maskz_loadu_ps(k, y + i)));
+    }
+  }
+  static void scale(float* y, float a, int n) {
+    const __m512 va = _mm512_set1_ps(a);
+    for (int i = 0; i < n; i += 16) {
+      const __mmask16 k = first_n(n - i);
+      _mm512_mask_storeu_ps(y + i, k, _mm512_mul_ps(va, _mm512_maskz_loadu_ps(k, y + i)));
+    }
+  }
+  static void f16_to_f32(const uint16_t* h, float* out, int n) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+    for (; i < n; ++i) out[i] = h2f(h[i]);
+  }
+  static void unpack4(const uint8_t* codes, int n, uint8_t* out) {
+    int i = 0;
+    for (; i + 1 < n; i += 2) {
+      out[i] = codes[i / 2] & 0x0f;
+      out[i + 1] = codes[i / 2] >> 4;
+    }
+  }
+  static void dequant_u8(const uint8_t* u, const uint16_t* meta, int d, int group, bool sym, int bits, float* out) {
+    const int ng = d / group;
+    const float c = (float)(1 << (bits - 1));
+    for (int g = 0; g < ng; ++g) {
+      const float s = fp16_to_fp32(meta[g]);
+      const float z = sym ? 0.f : fp16_to_fp32(meta[ng + g]);
+      const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z), vc = _mm512_set1_ps(c);
+      for (int i = g * group; i < (g + 1) * group; i += 16) {
+        const __mmask16 k = first_n((g + 1) * group - i);
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, u + i)));
+        // no FMA: (u - c) * s and u * s + z round exactly as the reference
+        const __m512 r = sym ? _mm512_mul_ps(_mm512_sub_ps(f, vc), vs) : _mm512_add_ps(_mm512_mul_ps(f, vs), vz);
+        _mm512_mask_storeu_ps(out + i, k, r);
+      }
+    }
+  }
+};
+
+}  // namespace
+
+void attend_avx512(const AttnContext& c, int t, int h, float* scratch) {
+  impl::Attend<Avx512Ops> a(c, scratch);
+  a(t, h);
+}
+
+}  // namespace pagedkv

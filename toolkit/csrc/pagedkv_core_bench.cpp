@@ -1,0 +1,94 @@
+// Micro-benchmark of the core alone (no host): one decode step (T = 1, one sequence, the new token at
+// position ctx) over `ctx` cached tokens with the default spec (K8 sym g64 / V4 asym g32, Hadamard, fp16
+// sink and tail), per code path. The pool holds random codes and scales in shuffled blocks (the cost does
+// not depend on the values). benchmarks/kernels.py runs it next to the hosts and the peers:
+//   pagedkv_core_bench [ctx=16384] [Hq=9] [Hkv=3] [D=64] [threads=1] [reps=200] [path: avx2|avx512|...]
+//   pagedkv_core_bench --paths      the code paths available on this CPU
+// "bytes" = what the step reads from the KV cache: codes + fp16 scales of the quantized keys, fp16 rows
+// of the sink block and of the tail (same count as benchmarks/kernels.py).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "pagedkv_core.h"
+
+using namespace pagedkv;
+
+int main(int argc, char** argv) {
+  const Isa all[] = {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kNeonDot};
+  if (argc > 1 && std::strcmp(argv[1], "--paths") == 0) {
+    for (Isa isa : all)
+      if (isa_available(isa)) std::printf("%s\n", isa_name(isa));
+    return 0;
+  }
+  const int ctx = argc > 1 ? std::atoi(argv[1]) : 16384;
+  const int Hq = argc > 2 ? std::atoi(argv[2]) : 9;
+  const int Hkv = argc > 3 ? std::atoi(argv[3]) : 3;
+  const int D = argc > 4 ? std::atoi(argv[4]) : 64;
+  const int threads = argc > 5 ? std::atoi(argv[5]) : 1;
+  const int reps = argc > 6 ? std::atoi(argv[6]) : 200;
+  const char* only = argc > 7 ? argv[7] : nullptr;
+  const int bs = 16;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.f, 1.f);
+
+  PagedAttnParams p;
+  p.T = 1, p.Hq = Hq, p.Hkv = Hkv, p.D = D, p.block_size = bs;
+  p.k_bits = 8, p.v_bits = 4, p.k_group = 64, p.v_group = 32, p.k_sym = true, p.v_sym = false;
+  p.rotate = true, p.fp_tail = true, p.sink_blocks = 1, p.scale = 1.f / std::sqrt((float)D);
+  const int M = (ctx + 1 + bs - 1) / bs;
+  p.num_blocks = M, p.stage_rows = 1, p.table_rows = 1, p.max_blocks_per_seq = M;
+  record_widths(p, &p.code_width, &p.scale_width);
+
+  std::vector<uint8_t> codes((size_t)M * Hkv * bs * p.code_width);
+  std::vector<uint16_t> scales((size_t)M * Hkv * bs * p.scale_width), stage((size_t)4 * Hkv * bs * D);
+  for (auto& c : codes) c = (uint8_t)rng();
+  for (auto& s : scales) s = fp32_to_fp16(0.01f + 0.01f * std::fabs(nd(rng)));
+  for (auto& s : stage) s = fp32_to_fp16(nd(rng));
+  std::vector<int64_t> table(M);
+  for (int i = 0; i < M; ++i) table[i] = i;
+  if (!std::getenv("BENCH_SEQUENTIAL")) std::shuffle(table.begin(), table.end(), rng);
+  std::vector<float> q((size_t)Hq * D), k((size_t)Hkv * D), v((size_t)Hkv * D), out((size_t)Hq * D);
+  for (auto& x : q) x = nd(rng);
+  for (auto& x : k) x = nd(rng);
+  for (auto& x : v) x = nd(rng);
+  const int64_t pos = ctx, seq = 0;
+
+  PagedAttnBuffers b;
+  b.q = q.data(), b.k = k.data(), b.v = v.data(), b.codes = codes.data(), b.scales = scales.data();
+  b.stage = stage.data(), b.positions = &pos, b.seq_ids = &seq, b.block_tables = table.data(), b.out = out.data();
+  const int64_t keys = ctx + 1, tail = keys % bs ? keys % bs : bs, fp16 = bs + tail;
+  const int64_t bytes = Hkv * ((keys - fp16) * (p.code_width + 2 * (int64_t)p.scale_width) + fp16 * 2 * 2 * D);
+  set_num_threads(threads);
+  std::vector<float> ref;
+  for (Isa isa : all) {
+    if (!isa_available(isa) || (only ? std::strcmp(only, isa_name(isa)) != 0 : isa == Isa::kScalar && ctx > 4096))
+      continue;
+    set_isa(isa);
+    char err[256];
+    for (int i = 0; i < 5; ++i)
+      if (paged_attention(p, b, err, sizeof err) != kOk) {
+        std::printf("error: %s\n", err);
+        return 1;
+      }
+    std::vector<double> ts;
+    for (int i = 0; i < reps; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      paged_attention(p, b, err, sizeof err);
+      ts.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(ts.begin(), ts.end());
+    const double ms = ts[ts.size() / 2];
+    float diff = 0.f;
+    if (ref.empty()) ref = out;
+    for (size_t i = 0; i < out.size(); ++i) diff = std::max(diff, std::fabs(out[i] - ref[i]));
+    std::printf("%-13s ctx %6d Hq %2d Hkv %d D %3d threads %d: %8.4f ms  %6.2f GB/s  max|diff| %.2e  bytes %lld\n",
+                isa_name(isa), ctx, Hq, Hkv, D, threads, ms, bytes / ms / 1e6, diff, (long long)bytes);
+  }
+  return 0;
+}

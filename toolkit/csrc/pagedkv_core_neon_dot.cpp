@@ -1,0 +1,203 @@
+// NEON dotprod attention path (this file alone is compiled with -march=armv8.2-a+dotprod; the caller
+// checks getauxval(AT_HWCAP) & HWCAP_ASIMDDP before selecting it). Quantized 8/4-bit blocks take the
+// fused path: K scores with int8 `sdot`, V accumulation and softmax in fp32 (pagedkv_neon_ops.h).
+//
+// Integer scores at fp32 accuracy: per (query head, K group) q is scaled by a power of two s with
+// max|q| / s <= 127 * 65536 and rounded, Q = round(q / s) (|Q| < 2^23, so the rounding error is at
+// most 0.5 * s <= 2^-23 * max|q|, like fp32 itself), then split into three balanced int8 limbs
+// Q = 65536 a + 256 b + c. The codes enter sdot centred, u - 2^(b-1) (fits int8), so each limb's dot
+// product is exact in int32 (and as a float: |dot| <= 2^14 per dim < 2^24 for groups up to 1024), and
+// dot(q, u - 2^(b-1)) = s * (65536 A + 256 B + C) loses only the final float rounding.
+// Asymmetric K: s_k u + z = s_k (u - 2^(b-1)) + (z + 2^(b-1) s_k), so the score adds
+// (z + 2^(b-1) s_k) * sum(q); the centred form avoids the cancellation of s_k u against z (measured
+// 2-3x closer to the exact dot than s_k * dot(q, u) + z * sum(q)).
+#include <algorithm>
+#include <cmath>
+
+#include "pagedkv_neon_ops.h"
+
+namespace pagedkv {
+namespace {
+
+// The query as q_scores reads it, written by q_prepare into Attend's qk scratch (2 * G * D floats):
+//   limbs int8  [G][D / 16][3][16]  a, b, c of 16 dims (4-bit K: even dims then odd dims, the order
+//                                   load16k unpacks the nibbles of 8 code bytes in)
+//   sq    float [ngk][G4]           s per (K group, head); G4 = G rounded up to 4, zero padded
+// 3 G D + 4 G4 ngk bytes <= 3.25 G D + 0.75 D bytes (groups of >= 16 dims): within the 8 G D.
+struct QPrep {
+  int8_t* limbs;
+  float* sq;
+  int G4;
+  QPrep(const float* base, int G, int D) {
+    G4 = (G + 3) & ~3;
+    limbs = reinterpret_cast<int8_t*>(const_cast<float*>(base));
+    sq = const_cast<float*>(base) + (size_t)3 * G * D / 4;  // D % 16 == 0: a whole number of floats
+  }
+};
+
+constexpr float kQMax = 127.f * 65536.f;  // max |Q|: keeps the top limb within [-127, 127]
+
+// byte slot t (0..15) of a 16-dim chunk of limbs holds dim limb_dim(t) of the chunk
+inline int limb_dim(int t, int k_bits) { return k_bits == 4 ? (t < 8 ? 2 * t : 2 * (t - 8) + 1) : t; }
+
+// Splits one (head, K group) of q into limbs; returns s (NaN if the group has a non-finite value,
+// so the scores become NaN as in the scalar path).
+float split_q_limbs(const float* q, int n, int k_bits, int8_t* limbs) {
+  float m = 0.f;
+  for (int i = 0; i < n; ++i) m = std::max(m, std::fabs(q[i]));
+  if (!std::isfinite(m)) {
+    std::fill(limbs, limbs + (size_t)3 * n, (int8_t)0);
+    return m - m;  // NaN
+  }
+  int e = 0;
+  if (m > 0.f) {
+    int E;
+    std::frexp(m, &E);  // m = f * 2^E, f in [0.5, 1)
+    e = E - 23;        // m / 2^e in [2^22, 2^23)
+    if (std::ldexp(m, -e) > kQMax) ++e;
+    e = std::max(e, -149);  // s stays a (subnormal) float; q / s is still an exact integer then
+  }
+  for (int j = 0; j < n; j += 16) {
+    int8_t* dst = limbs + (size_t)j * 3;
+    for (int t = 0; t < 16; ++t) {
+      const int32_t Q = (int32_t)std::lrint(std::ldexp(q[j + limb_dim(t, k_bits)], -e));  // exact scaling
+      // balanced base-256 digits: c, b in [-128, 127]; |Q| <= 127 * 65536 keeps a in [-127, 127]
+      const int32_t c = ((Q + 128) & 255) - 128;
+      const int32_t Q1 = (Q - c) / 256;
+      const int32_t b = ((Q1 + 128) & 255) - 128;
+      const int32_t a = (Q1 - b) / 256;
+      dst[t] = (int8_t)a;
+      dst[16 + t] = (int8_t)b;
+      dst[32 + t] = (int8_t)c;
+    }
+  }
+  return std::ldexp(1.f, e);
+}
+
+// 16 K codes as int8 for sdot, centred (u - 2^(b-1)) and in limb order: 8 bits: u ^ 0x80 read as int8
+// is u - 128; 4 bits: 8 code bytes split into their nibbles without interleaving (even dims, then
+// odd dims), minus 8.
+template <int BITS>
+inline int8x16_t load16k(const uint8_t* codes, int j) {
+  if (BITS == 8) return vreinterpretq_s8_u8(veorq_u8(vld1q_u8(codes + j), vdupq_n_u8(0x80)));
+  const uint8x8_t b = vld1_u8(codes + j / 2);
+  const int8x16_t x = vreinterpretq_s8_u8(vcombine_u8(vand_u8(b, vdup_n_u8(0x0f)), vshr_n_u8(b, 4)));
+  return vsubq_s8(x, vdupq_n_s8(8));
+}
+
+// [sum(v0), sum(v1), sum(v2), sum(v3)]
+inline int32x4_t hsum4(int32x4_t v0, int32x4_t v1, int32x4_t v2, int32x4_t v3) {
+  return vpaddq_s32(vpaddq_s32(v0, v1), vpaddq_s32(v2, v3));
+}
+
+// Scores of keys i, i+1 (NK = 2) or i (NK = 1) for the GN <= 4 query heads g0.. (g0 % 4 == 0):
+// score = scale * sum_groups (s_k * s_q * (65536 A + 256 B + C) [+ (z_k + 2^(b-1) s_k) * sum(q)]),
+// where A, B, C are the int32 dot products of the limbs with the centred codes.
+template <int BITS, bool SYM, int GN, int NK>
+inline void scores_keys(const QuantRun& r, const uint8_t* c0, const float* m0, const QPrep& qp, int g0,
+                        const float* qsum, float scale, float* sc, int ldsc, int i) {
+  const int D = r.D, kg = r.k_group, ngk = D / kg;
+  const int8_t* ql = qp.limbs + (size_t)g0 * D * 3;
+  float32x4_t tot[NK];  // lanes: heads g0..g0+3
+  for (int k = 0; k < NK; ++k) tot[k] = vdupq_n_f32(0.f);
+  for (int gi = 0; gi < ngk; ++gi) {
+    int32x4_t acc[NK][4][3];  // [key][head][limb]; heads >= GN stay 0
+    for (int k = 0; k < NK; ++k)
+      for (int g = 0; g < 4; ++g)
+        for (int l = 0; l < 3; ++l) acc[k][g][l] = vdupq_n_s32(0);
+    for (int j = gi * kg; j < (gi + 1) * kg; j += 16) {
+      int8x16_t x[NK];
+      for (int k = 0; k < NK; ++k) x[k] = load16k<BITS>(c0 + (size_t)k * r.W, j);
+      for (int g = 0; g < GN; ++g) {
+        const int8_t* qg = ql + ((size_t)g * D + j) * 3;
+        for (int l = 0; l < 3; ++l) {
+          const int8x16_t qv = vld1q_s8(qg + 16 * l);
+          for (int k = 0; k < NK; ++k) acc[k][g][l] = vdotq_s32(acc[k][g][l], qv, x[k]);
+        }
+      }
+    }
+    const float32x4_t sq = vld1q_f32(qp.sq + (size_t)gi * qp.G4 + g0);
+    float32x4_t qs = vdupq_n_f32(0.f);
+    if (!SYM) {
+      float qa[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int g = 0; g < GN; ++g) qa[g] = qsum[(size_t)(g0 + g) * ngk + gi];
+      qs = vld1q_f32(qa);
+    }
+    for (int k = 0; k < NK; ++k) {
+      float32x4_t L[3];
+      for (int l = 0; l < 3; ++l)
+        L[l] = vcvtq_f32_s32(hsum4(acc[k][0][l], acc[k][1][l], acc[k][2][l], acc[k][3][l]));
+      // 65536 A and 256 B are exact; only the two additions round
+      const float32x4_t t = vaddq_f32(vaddq_f32(vmulq_n_f32(L[0], 65536.f), vmulq_n_f32(L[1], 256.f)), L[2]);
+      const float* mk = m0 + (size_t)k * r.Ws;
+      tot[k] = vfmaq_n_f32(tot[k], vmulq_f32(t, sq), mk[gi]);
+      if (!SYM) tot[k] = vfmaq_n_f32(tot[k], qs, mk[ngk + gi] + (float)(1 << (BITS - 1)) * mk[gi]);
+    }
+  }
+  for (int k = 0; k < NK; ++k) {
+    float out[4];
+    vst1q_f32(out, vmulq_n_f32(tot[k], scale));
+    for (int g = 0; g < GN; ++g) sc[(size_t)g * ldsc + i + k] = out[g];
+  }
+}
+
+template <int BITS, bool SYM, int GN>
+void scores_tile(const QuantRun& r, const QPrep& qp, int g0, const float* qsum, float scale, float* sc, int ldsc) {
+  int i = 0;
+  for (; i + 2 <= r.n; i += 2)
+    scores_keys<BITS, SYM, GN, 2>(r, r.codes + (size_t)i * r.W, r.metaf + (size_t)i * r.Ws, qp, g0, qsum, scale, sc,
+                                  ldsc, i);
+  if (i < r.n)
+    scores_keys<BITS, SYM, GN, 1>(r, r.codes + (size_t)i * r.W, r.metaf + (size_t)i * r.Ws, qp, g0, qsum, scale, sc,
+                                  ldsc, i);
+}
+
+template <int BITS, bool SYM>
+void scores_all(const QuantRun& r, const QPrep& qp, const float* qsum, int G, float scale, float* sc, int ldsc) {
+  for (int g0 = 0; g0 < G; g0 += 4) {
+    float* s = sc + (size_t)g0 * ldsc;
+    switch (std::min(4, G - g0)) {
+      case 4: scores_tile<BITS, SYM, 4>(r, qp, g0, qsum, scale, s, ldsc); break;
+      case 3: scores_tile<BITS, SYM, 3>(r, qp, g0, qsum, scale, s, ldsc); break;
+      case 2: scores_tile<BITS, SYM, 2>(r, qp, g0, qsum, scale, s, ldsc); break;
+      default: scores_tile<BITS, SYM, 1>(r, qp, g0, qsum, scale, s, ldsc); break;
+    }
+  }
+}
+
+struct NeonDotOps : NeonFusedOps {
+  static constexpr bool kFastQuant = true;
+
+  static void q_prepare(const float* q, int G, int D, int k_bits, int k_group, float* out) {
+    QPrep qp(out, G, D);
+    const int ngk = D / k_group;
+    std::fill(qp.sq, qp.sq + (size_t)ngk * qp.G4, 0.f);
+    for (int g = 0; g < G; ++g)
+      for (int gi = 0; gi < ngk; ++gi) {
+        const size_t d0 = (size_t)g * D + (size_t)gi * k_group;
+        qp.sq[(size_t)gi * qp.G4 + g] = split_q_limbs(q + d0, k_group, k_bits, qp.limbs + d0 * 3);
+      }
+  }
+  // q is what q_prepare wrote
+  static void q_scores(const QuantRun& r, const float* q, const float* qsum, int G, float scale, float* sc, int ldsc) {
+    // the run's fp16 scales/zeros as float32, once (v_accum reuses them)
+    f16_to_f32(r.meta, r.metaf, r.n * (int)r.Ws);
+    const QPrep qp(q, G, r.D);
+    if (r.k_bits == 8) {
+      r.k_sym ? scores_all<8, true>(r, qp, qsum, G, scale, sc, ldsc)
+              : scores_all<8, false>(r, qp, qsum, G, scale, sc, ldsc);
+    } else {
+      r.k_sym ? scores_all<4, true>(r, qp, qsum, G, scale, sc, ldsc)
+              : scores_all<4, false>(r, qp, qsum, G, scale, sc, ldsc);
+    }
+  }
+};
+
+}  // namespace
+
+void attend_neon_dot(const AttnContext& c, int t, int h, float* scratch) {
+  impl::Attend<NeonDotOps> a(c, scratch);
+  a(t, h);
+}
+
+}  // namespace pagedkv
