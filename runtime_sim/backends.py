@@ -1,6 +1,11 @@
 """Backends the engine runs on. Each keeps the pool tensors and runs one step of the graph.
 
 - TorchBackend: the compiled PagedModel in eager PyTorch (the reference).
+- OrtBackend: the .onnx on onnxruntime (pools bound in place with IOBinding).
+- ExecuTorchBackend: the .pte on ExecuTorch's runtime (pools are the program's mutable buffers).
+
+Every backend exposes its pools as numpy views, `pool_arrays()` -> [(codes, scales, stage)] per layer;
+block and stage copies (fork / copy-on-write) are written once on top of them.
 """
 
 from __future__ import annotations
@@ -10,6 +15,21 @@ import torch
 
 from toolkit.compiler import PagedModel
 from toolkit.errors import KernelLibraryMissing, PagedKVError
+
+
+def copy_pool_block(backend, src: int, dst: int) -> None:
+    """Copy block src to block dst in every layer (codes and scales; float pools have no scales)."""
+    for codes, scales, _ in backend.pool_arrays():
+        codes[dst] = codes[src]
+        if scales.shape[0] > 1:
+            scales[dst] = scales[src]
+
+
+def copy_pool_stage(backend, src_seq: int, dst_seq: int) -> None:
+    """Copy the fp16 sink/tail stage rows of sequence slot src_seq to dst_seq in every layer."""
+    for _, _, stage in backend.pool_arrays():
+        if stage.shape[0] > 1:
+            stage[dst_seq] = stage[src_seq]
 
 
 class TorchBackend:
@@ -29,16 +49,11 @@ class TorchBackend:
             )
         return logits[0].float().numpy()
 
-    def copy_block(self, src: int, dst: int) -> None:
-        for codes, scales, _ in self.paged.pool_tensors():
-            codes[dst] = codes[src]
-            if scales.shape[0] > 1:
-                scales[dst] = scales[src]
+    def pool_arrays(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        return [tuple(t.numpy() for t in layer) for layer in self.paged.pool_tensors()]
 
-    def copy_stage(self, src_seq: int, dst_seq: int) -> None:
-        for _, _, stage in self.paged.pool_tensors():
-            if stage.shape[0] > 1:
-                stage[dst_seq] = stage[src_seq]
+    copy_block = copy_pool_block
+    copy_stage = copy_pool_stage
 
 
 class OrtBackend:
@@ -88,24 +103,20 @@ class OrtBackend:
         self.session.run_with_iobinding(b)
         return b.get_outputs()[0].numpy()[0]
 
-    def copy_block(self, src: int, dst: int) -> None:
-        for i in range(self.layout.num_layers):
-            for a in (self.arrays[3 * i], self.arrays[3 * i + 1]):
-                if a.shape[0] > 1:
-                    a[dst] = a[src]
+    def pool_arrays(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        return [tuple(self.arrays[3 * i:3 * i + 3]) for i in range(self.layout.num_layers)]
 
-    def copy_stage(self, src_seq: int, dst_seq: int) -> None:
-        for i in range(self.layout.num_layers):
-            a = self.arrays[3 * i + 2]
-            if a.shape[0] > 1:
-                a[dst_seq] = a[src_seq]
+    copy_block = copy_pool_block
+    copy_stage = copy_pool_stage
 
 
 class ExecuTorchBackend:
     """The exported .pte on the ExecuTorch runtime (portable_lib) with the pagedkv kernel library.
 
     The pool lives in the program's mutable buffers (one memory arena per layer); the runtime
-    allocates those arenas when the program loads and the op updates them in place every step."""
+    allocates those arenas when the program loads and the op updates them in place every step. The
+    kernel library reports where they are (toolkit.native.et_pool_arrays); this backend takes those
+    views after each of its own steps, so they stay its own even when other programs run."""
 
     name = "executorch"
 
@@ -120,6 +131,7 @@ class ExecuTorchBackend:
         self.layout = layout
         self.max_tokens = int(entry.get("max_tokens_per_call", 64))
         self.module = _load_for_executorch(str(pte_path))
+        self._pools = None  # numpy views of the program's pool buffers, known after the first step
 
     def forward(self, ids, positions, seq_ids, tables) -> np.ndarray:
         if len(ids) > self.max_tokens:
@@ -131,13 +143,16 @@ class ExecuTorchBackend:
             (torch.from_numpy(ids)[None], torch.from_numpy(positions), torch.from_numpy(seq_ids),
              torch.from_numpy(tables))
         )
+        if self._pools is None:
+            from toolkit.native import et_pool_arrays
+
+            self._pools = et_pool_arrays(self.layout)
         return out[0][0].numpy()
 
-    def copy_block(self, src: int, dst: int) -> None:
-        raise PagedKVError(
-            "copy-on-write (fork of a conversation with a partial last block) is not available on the "
-            "executorch backend: the pool lives inside the program's buffers. Use the onnxruntime backend."
-        )
+    def pool_arrays(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        if self._pools is None:  # nothing written yet: the buffers hold the program's initial zeros
+            raise PagedKVError("the executorch backend's pool buffers are known after its first step; run one first.")
+        return self._pools
 
-    def copy_stage(self, src_seq: int, dst_seq: int) -> None:
-        self.copy_block(src_seq, dst_seq)
+    copy_block = copy_pool_block
+    copy_stage = copy_pool_stage

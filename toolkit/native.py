@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from toolkit.errors import KernelLibraryMissing
+from toolkit.errors import KernelLibraryMissing, PagedKVError
 
 REPO = Path(__file__).resolve().parent.parent
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -89,6 +89,37 @@ def load_executorch_kernels() -> ctypes.CDLL:
 
         _et_handle = ctypes.CDLL(et_library_path(), mode=ctypes.RTLD_GLOBAL)
     return _et_handle
+
+
+def et_pool_arrays(layout) -> list[tuple]:
+    """numpy views (no copies, writable) of the pool tensors the ExecuTorch kernels used in their most
+    recent call, per layer: (codes, scales, stage) with the layout's shapes and dtypes. They point into
+    the planned memory of the program that ran last; valid while that program stays loaded."""
+    import numpy as np
+    import torch
+
+    lib = load_executorch_kernels()
+    fn = lib.pagedkv_et_pool_view
+    fn.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)]
+    fn.restype = ctypes.c_int
+    np_dtype = {torch.uint8: np.uint8, torch.float16: np.float16, torch.float32: np.float32}
+    shapes = [(layout.codes_shape(), np_dtype[layout.codes_dtype]), (layout.scales_shape(), np.float16),
+              (layout.stage_shape(), np.float16)]
+    out = []
+    for layer in range(layout.num_layers):
+        views = []
+        for which, (shape, dtype) in enumerate(shapes):
+            ptr, nbytes = ctypes.c_void_p(), ctypes.c_int64()
+            if not fn(layer, which, ctypes.byref(ptr), ctypes.byref(nbytes)):
+                raise PagedKVError(f"layer {layer} of the ExecuTorch program has not run yet: run a step first.")
+            want = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            if nbytes.value != want:
+                raise PagedKVError(f"layer {layer} pool tensor {which}: the program's buffer holds {nbytes.value} "
+                                   f"bytes, the layout expects {want}; the .pte and its pagedkv.json disagree.")
+            buf = (ctypes.c_uint8 * want).from_address(ptr.value)
+            views.append(np.frombuffer(buf, dtype=dtype).reshape(shape))
+        out.append(tuple(views))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
