@@ -15,14 +15,17 @@ et-custom-sdpa in its own group right after the others of the same cell, see ISO
   gqa-int4       the same with an int4 cache (PER_CHANNEL, kv_cache_bit_width 4, uint8 packed)
   et-custom-sdpa ExecuTorch llama::update_cache + llama::custom_sdpa on an fp32 [1, S, Hkv, D] cache
                  (mutable buffers), start_pos baked into the .pte
+  core-<path>    the C++ core alone (no host) on each code path of this CPU (avx2, avx512, ...; the hosts
+                 use the best one), from toolkit/csrc/pagedkv_core_bench, run right after the others
 
 Threads: onnxruntime intra_op_num_threads (one session per count, allow_spinning=0), ExecuTorch
 _unsafe_reset_threadpool, our kernel PAGEDKV_NUM_THREADS (read by the core on every call).
 
 "bytes" is what the step must read from the KV cache (codes + fp16 scales/zeros, fp16 sink/tail
 stage for ours; the whole cache for the others); bandwidth_fraction = bytes / ms / the machine's
-memory read bandwidth, measured here with numpy (best of max/sum/dot over a 512 MiB array, one thread). Note: at these
-sizes the caches may partly live in the CPU's last-level cache, so a fraction above 1 is possible.
+memory read bandwidth with the same number of threads, measured here with numpy (best of max/sum over
+a 512 MiB array split across the threads). Note: at these sizes the caches may partly live in the
+CPU's last-level cache, so a fraction above 1 is possible.
 Writes benchmarks/results/kernels.json (rows) and prints a markdown table.
 """
 
@@ -46,7 +49,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 
 BLOCK = 16
-IMPLS = ("pagedkv-ort", "pagedkv-et", "gqa-fp32", "gqa-int8", "gqa-int4", "et-custom-sdpa")
+IMPLS = ("pagedkv-ort", "pagedkv-et", "gqa-fp32", "gqa-int8", "gqa-int4", "et-custom-sdpa", "core-paths")
 ISOLATED = ("et-custom-sdpa",)
 
 
@@ -54,12 +57,15 @@ ISOLATED = ("et-custom-sdpa",)
 # memory bandwidth
 
 
-def measure_bandwidth(mib: int = 512, reps: int = 7) -> dict:
-    """One-thread memory bandwidth from numpy on an array larger than the last-level cache: the best of
-    three read kernels (max, sum, 1024-wide dot; medians of reps) and copy (bytes read + written)."""
+def measure_bandwidth(threads=(1, 2), mib: int = 512, reps: int = 7) -> dict:
+    """Memory read bandwidth from numpy on an array larger than the last-level cache share, for each
+    thread count n: n Python threads each reduce one slice (numpy releases the GIL in reductions), best
+    of max and sum (medians of reps). No BLAS kernel: a multithreaded BLAS would make "1 thread" use
+    every core. Also copy (bytes read + written), 1 thread."""
+    import threading
+
     a = np.ones(mib * 2**20 // 4, dtype=np.float32)
     b = np.empty_like(a)
-    ones = np.ones(1024, np.float32)
     a.max(), np.copyto(b, a)  # fault the pages in
     n = mib * 2**20
 
@@ -71,11 +77,23 @@ def measure_bandwidth(mib: int = 512, reps: int = 7) -> dict:
             ts.append(time.perf_counter() - t)
         return statistics.median(ts)
 
-    reads = {"max": n / med(a.max) / 1e9, "sum": n / med(a.sum) / 1e9,
-             "dot": n / med(lambda: a.reshape(-1, 1024) @ ones) / 1e9}
+    def parallel(nt, op):
+        parts = np.array_split(a, nt)
+
+        def run():
+            ths = [threading.Thread(target=op, args=(x,)) for x in parts]
+            for t in ths:
+                t.start()
+            for t in ths:
+                t.join()
+        return run
+
+    read = {}
+    for nt in threads:
+        read[nt] = max(n / med(parallel(nt, np.max)) / 1e9, n / med(parallel(nt, np.sum)) / 1e9)
     copy = 2 * n / med(lambda: np.copyto(b, a)) / 1e9
     del a, b
-    return {"read_gbs": max(reads.values()), "reads": reads, "copy_gbs": copy, "array_mib": mib}
+    return {"read_gbs": read, "copy_gbs": copy, "array_mib": mib}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -385,6 +403,38 @@ class EtSdpa:
 # ------------------------------------------------------------------------------------------------
 
 
+def _core_bench_exe() -> Path:
+    from toolkit.native import build_dir
+
+    exe = build_dir() / "pagedkv_core_bench"
+    if not exe.exists():
+        raise FileNotFoundError(f"{exe} not found: run `make native`")
+    return exe
+
+
+def core_paths() -> list:
+    """The attention code paths of the core available on this CPU (scalar excluded), from the bench."""
+    import subprocess
+
+    out = subprocess.run([str(_core_bench_exe()), "--paths"], capture_output=True, text=True, check=True).stdout
+    return [p for p in out.split() if p != "scalar"]
+
+
+def core_bench(path, hq, hkv, d, ctx, threads, reps=None):
+    """(median ms, bytes) of one decode step of the core alone on one code path (toolkit/csrc/
+    pagedkv_core_bench: the default spec, random codes, shuffled blocks)."""
+    import re
+    import subprocess
+
+    reps = reps or max(20, min(400, int(2e6 / ctx)))
+    out = subprocess.run([str(_core_bench_exe()), str(ctx), str(hq), str(hkv), str(d), str(threads), str(reps), path],
+                         capture_output=True, text=True, check=True).stdout
+    m = re.search(r"([\d.]+) ms .* bytes (\d+)", out)
+    if not m:
+        raise RuntimeError(f"unexpected pagedkv_core_bench output: {out!r}")
+    return float(m.group(1)), int(m.group(2))
+
+
 def build(impl, hq, hkv, d, ctx, threads, seed=0):
     if impl == "pagedkv-ort":
         return OursOrt(hq, hkv, d, ctx, seed)
@@ -445,9 +495,11 @@ def main(argv=None) -> int:
     rounds = args.rounds or (3 if args.quick else 15)
     target = args.slice or (0.02 if args.quick else 0.03)
 
-    bw = measure_bandwidth(256 if args.quick else 512)
-    print(f"memory bandwidth (numpy, 1 thread, {bw['array_mib']} MiB): read {bw['read_gbs']:.1f} GB/s, "
-          f"copy {bw['copy_gbs']:.1f} GB/s", flush=True)
+    bw = measure_bandwidth(tuple(args.threads), 256 if args.quick else 512)
+    print(f"memory read bandwidth (numpy, {bw['array_mib']} MiB): "
+          + ", ".join(f"{n} thread(s) {g:.1f} GB/s" for n, g in bw["read_gbs"].items())
+          + f"; copy {bw['copy_gbs']:.1f} GB/s", flush=True)
+    paths = core_paths() if "core-paths" in args.impls else []
     rows = []
     for dims in args.dims:
         hq, hkv, d = (int(x) for x in dims.split("/"))
@@ -469,10 +521,13 @@ def main(argv=None) -> int:
                 for k in ISOLATED:
                     if k in runners:
                         ms.update(time_cell({k: runners[k]}, max(3, rounds // 3), target))
+                sizes = {impl: runners[impl].bytes for impl in ms}
+                for path in paths:  # the core alone, per code path, right after the hosts
+                    ms[f"core-{path}"], sizes[f"core-{path}"] = core_bench(path, hq, hkv, d, ctx, n)
                 for impl, m in ms.items():
-                    b = runners[impl].bytes
+                    b = sizes[impl]
                     rows.append(dict(impl=impl, ctx=ctx, threads=n, q_heads=hq, kv_heads=hkv, head_dim=d, ms=round(m, 4),
-                                     bandwidth_fraction=round(b / (m * 1e-3) / (bw["read_gbs"] * 1e9), 4),
+                                     bandwidth_fraction=round(b / (m * 1e-3) / (bw["read_gbs"][n] * 1e9), 4),
                                      bytes=int(b), gb_s=round(b / (m * 1e-3) / 1e9, 2)))
                 print(f"  {dims} ctx {ctx} threads {n}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()),
                       flush=True)
@@ -480,7 +535,7 @@ def main(argv=None) -> int:
             print(f"  ({time.time() - t0:.0f}s)", flush=True)
 
     for r in rows:
-        r["mem_read_gbs"] = round(bw["read_gbs"], 2)
+        r["mem_read_gbs"] = round(bw["read_gbs"][r["threads"]], 2)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1) + "\n")
     print()
@@ -493,8 +548,10 @@ def markdown(rows, bw) -> str:
     import onnxruntime
 
     lines = [f"One decode step (T=1), {platform.machine()}, {os.cpu_count()} cores, onnxruntime "
-             f"{onnxruntime.__version__}; memory read bandwidth {bw['read_gbs']:.1f} GB/s (numpy). "
-             "ms = median; x = time / gqa-fp32, xi8 = time / gqa-int8; bw = fraction of the memory bandwidth.",
+             f"{onnxruntime.__version__}; memory read bandwidth (numpy) "
+             + ", ".join(f"{n} thread(s) {g:.1f} GB/s" for n, g in bw["read_gbs"].items()) + ". "
+             "ms = median; x = time / gqa-fp32, xi8 = time / gqa-int8; bw = fraction of the memory bandwidth "
+             "measured with the same thread count.",
              "",
              "| dims q/kv/d | ctx | thr | impl | MiB read | ms | x fp32 | x int8 | GB/s | bw |",
              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
