@@ -119,6 +119,7 @@ def test_cpp_tokenizer_equals_hf(host_build, fixtures, tmp_path, which):
 def test_runner_on_host(host_build, fixtures, tmp_path):
     out = run(["bash", CI, "test-host", fixtures, "--tokens-out", tmp_path / "tokens.txt"])
     assert summary(out) and all(f == 0 for _, f in summary(out)), out
+    assert "all pagedkv core tests passed" in out, out[-4000:]
     got = [[int(x) for x in ln.split()] for ln in (tmp_path / "tokens.txt").read_text().splitlines()]
     assert got == [c["hf_greedy"] for c in expected(fixtures)]
 
@@ -158,3 +159,6 @@ def test_aarch64_under_qemu(fixtures):
     results = summary(out)
     assert len(results) == 4 and all(f == 0 for _, f in results), out[-4000:]
     assert "isa neon-dotprod" in out and "isa neon\n" in out.replace("isa neon-dotprod", "")
+    # the kernel core's tests (every path vs scalar): the sdot path under -cpu max, plain NEON on the A53
+    assert out.count("all pagedkv core tests passed") == 2, out[-4000:]
+    assert re.search(r"^active path: neon-dotprod,", out, re.M) and re.search(r"^active path: neon,", out, re.M)

@@ -65,6 +65,7 @@ case "${1:-}" in
     ;;
   test-host)
     B="$REPO/build/android-host"
+    "$B/kernel_core_test"
     "$B/block_manager_test"
     "$B/runner_test" "$2" "${@:3}"
     ;;
@@ -76,6 +77,9 @@ case "${1:-}" in
     for cpu in max cortex-a53; do
       want=neon-dotprod; [ "$cpu" = cortex-a53 ] && want=neon
       echo "== qemu-aarch64-static -cpu $cpu (expects the $want kernel path)"
+      qemu-aarch64-static -cpu "$cpu" "$B/kernel_core_test" | tee "$B/kernel_core_test.$cpu.log"
+      grep -qx "active path: $want, threads [0-9]*" "$B/kernel_core_test.$cpu.log" \
+        || { echo "kernel core: expected the $want path under -cpu $cpu" >&2; exit 1; }
       qemu-aarch64-static -cpu "$cpu" "$B/block_manager_test"
       qemu-aarch64-static -cpu "$cpu" "$B/runner_test" "$2" --expect-isa "$want" --no-rss "${@:3}"
     done
