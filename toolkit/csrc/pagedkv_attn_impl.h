@@ -39,7 +39,8 @@ namespace impl {
 
 enum class Src { kQuant, kF16, kF32 };
 
-// n consecutive quantized records of one block of one KV head.
+// n quantized records of one KV head: consecutive records of one block, or (Ops with kPairBlocks)
+// the records of two blocks, n_first in the first one and the rest at codes2 / meta2.
 struct QuantRun {
   const uint8_t* codes;   // first record's codes (stride W)
   const uint16_t* meta;   // first record's fp16 scales (stride Ws)
@@ -49,12 +50,21 @@ struct QuantRun {
   bool k_sym, v_sym;
   int kcb, ksc;           // V codes / V meta start inside a record
   float* metaf;           // scratch for the n * Ws scales/zeros as float32 (filled by q_scores)
+  int n_first;            // records in the first segment (== n for one block)
+  const uint8_t* codes2;  // the second segment (n - n_first records), or null
+  const uint16_t* meta2;
+  const uint8_t* rec(int i) const { return i < n_first ? codes + (size_t)i * W : codes2 + (size_t)(i - n_first) * W; }
 };
 
 template <class T, class = void>
 struct HasRowOps : std::false_type {};
 template <class T>
 struct HasRowOps<T, std::void_t<decltype(&T::row_max), decltype(&T::row_exp)>> : std::true_type {};
+
+template <class T, class = void>
+struct HasPairBlocks : std::false_type {};
+template <class T>
+struct HasPairBlocks<T, std::void_t<decltype(T::kPairBlocks)>> : std::integral_constant<bool, T::kPairBlocks> {};
 
 template <class T, class = void>
 struct HasFastQuant : std::false_type {};
@@ -70,7 +80,8 @@ struct Attend {
   float* krow;
   float* vrow;
   uint8_t* ubuf;  // unpacked codes
-  float* sc;      // [G, bs]
+  float* sc;      // [G, ld]: scores, then probabilities, of one run of keys
+  int ld;         // keys a run may hold: run_capacity(bs)
   float* acc;     // [G, D]
   float* mx;      // [G]
   float* l;       // [G]
@@ -83,6 +94,12 @@ struct Attend {
   bool fast;      // quantized blocks go through Ops' fused path
 
   static constexpr bool kHasFast = HasFastQuant<Ops>::value;
+  // Ops that take runs of two blocks (QuantRun::rec): with blocks of <= 16 tokens, two consecutive
+  // quantized blocks go through one q_scores / softmax / v_accum (half the per-run overhead)
+  static constexpr bool kPairs = HasPairBlocks<Ops>::value;
+  const uint8_t* pend_codes = nullptr;  // a quantized block waiting for its pair
+  const uint16_t* pend_meta = nullptr;
+  int pend_n = 0;
 
   Attend(const AttnContext& ctx, float* scratch)
       : c(ctx), P(*ctx.p), B(*ctx.b), D(ctx.p->D), G(ctx.G), bs(ctx.p->block_size) {
@@ -90,7 +107,8 @@ struct Attend {
     krow = s; s += D;
     vrow = s; s += D;
     ubuf = reinterpret_cast<uint8_t*>(s); s += (D + 3) / 4 + 1;
-    sc = s; s += (size_t)G * bs;
+    ld = run_capacity(bs);
+    sc = s; s += (size_t)G * ld;
     acc = s; s += (size_t)G * D;
     mx = s; s += G;
     l = s; s += G;
@@ -147,12 +165,12 @@ struct Attend {
     const float scale = P.scale;
     for (int i = 0; i < n; ++i) {
       const float* kr = key(i, 0);
-      for (int g = 0; g < G; ++g) sc[(size_t)g * bs + i] = Ops::dot(q + (size_t)g * D, kr, D) * scale;
+      for (int g = 0; g < G; ++g) sc[(size_t)g * ld + i] = Ops::dot(q + (size_t)g * D, kr, D) * scale;
     }
     softmax(n);
     for (int i = 0; i < n; ++i) {
       const float* vr = key(i, 1);
-      for (int g = 0; g < G; ++g) Ops::axpy(acc + (size_t)g * D, sc[(size_t)g * bs + i], vr, D);
+      for (int g = 0; g < G; ++g) Ops::axpy(acc + (size_t)g * D, sc[(size_t)g * ld + i], vr, D);
     }
   }
 
@@ -162,19 +180,19 @@ struct Attend {
     if constexpr (HasRowOps<Ops>::value) {
       if (cap > 0.f)
         for (int g = 0; g < G; ++g)
-          for (int i = 0; i < n; ++i) sc[(size_t)g * bs + i] = std::tanh(sc[(size_t)g * bs + i] / cap) * cap;
-      Ops::row_max(sc, bs, G, n, rowm);
+          for (int i = 0; i < n; ++i) sc[(size_t)g * ld + i] = std::tanh(sc[(size_t)g * ld + i] / cap) * cap;
+      Ops::row_max(sc, ld, G, n, rowm);
       for (int g = 0; g < G; ++g) {
         const float mnew = rowm[g] > mx[g] ? rowm[g] : mx[g];
         if (mnew > mx[g]) rescale(g, mx[g], mnew);
         rowm[g] = mnew;
       }
-      Ops::row_exp(sc, bs, G, n, rowm, rows);
+      Ops::row_exp(sc, ld, G, n, rowm, rows);
       for (int g = 0; g < G; ++g) l[g] += rows[g];
       return;
     }
     for (int g = 0; g < G; ++g) {
-      float* sg = sc + (size_t)g * bs;
+      float* sg = sc + (size_t)g * ld;
       if (cap > 0.f)
         for (int i = 0; i < n; ++i) sg[i] = std::tanh(sg[i] / cap) * cap;
       float bm;
@@ -198,15 +216,34 @@ struct Attend {
     mx[g] = mnew;
   }
 
-  // fused path: n quantized records
-  void run_quant(const uint8_t* codes, const uint16_t* meta, int n) {
+  // fused path: n quantized records (+ n2 more of another block)
+  void run_quant(const uint8_t* codes, const uint16_t* meta, int n, const uint8_t* codes2 = nullptr,
+                 const uint16_t* meta2 = nullptr, int n2 = 0) {
     if constexpr (kHasFast) {
-      QuantRun r{codes, meta, (size_t)P.code_width, (size_t)P.scale_width, n, D, P.k_bits, c.k_group,
-                 P.v_bits, c.v_group, P.k_sym, P.v_sym, c.kcb, c.ksc, metaf};
-      Ops::q_scores(r, qk, qsum, G, P.scale, sc, bs);
-      softmax(n);
-      Ops::v_accum(r, sc, bs, G, acc);
+      QuantRun r{codes, meta, (size_t)P.code_width, (size_t)P.scale_width, n + n2, D, P.k_bits, c.k_group,
+                 P.v_bits, c.v_group, P.k_sym, P.v_sym, c.kcb, c.ksc, metaf, n, codes2, meta2};
+      Ops::q_scores(r, qk, qsum, G, P.scale, sc, ld);
+      softmax(n + n2);
+      Ops::v_accum(r, sc, ld, G, acc);
     }
+  }
+
+  // a quantized block for the fused path: run now, or pair it with the next one
+  void quant_block(const uint8_t* codes, const uint16_t* meta, int n) {
+    if (kPairs && bs <= 16) {
+      if (!pend_n) {
+        pend_codes = codes, pend_meta = meta, pend_n = n;
+        return;
+      }
+      run_quant(pend_codes, pend_meta, pend_n, codes, meta, n);
+      pend_n = 0;
+      return;
+    }
+    run_quant(codes, meta, n);
+  }
+  void flush_pending() {
+    if (pend_n) run_quant(pend_codes, pend_meta, pend_n);
+    pend_n = 0;
   }
 
   const float* f16row(const uint16_t* h, float* dst) {
@@ -248,7 +285,7 @@ struct Attend {
       l[g] = 0.f;
     }
     std::memset(acc, 0, sizeof(float) * (size_t)G * D);
-    std::memset(sc, 0, sizeof(float) * (size_t)G * bs);  // the fast path reads whole vectors of sc rows
+    std::memset(sc, 0, sizeof(float) * (size_t)G * ld);  // the fast path reads whole vectors of sc rows
     if constexpr (kHasFast) {
       if (fast) Ops::q_prepare(q, G, D, P.k_bits, c.k_group, qk);
     }
@@ -312,6 +349,7 @@ struct Attend {
           return f16row(base + (size_t)part * stage_kv + (size_t)(o0 + i) * D, part ? vrow : krow);
         });
       } else if (c.use_tail && b == pb) {
+        flush_pending();
         const uint16_t* base = B.stage + ((size_t)s * 4 + 2) * stage_kv + (size_t)h * stage_head;  // [s,1,0,h]
         const int64_t np = c.n_prev[t];
         run(n, [&](int i, int part) {
@@ -334,7 +372,7 @@ struct Attend {
           const uint16_t* meta = B.scales + rec0 * Ws;
           if (fast) {
             if (b + 2 <= blast) prefetch_block(row[b + 2], h, W, Ws);  // two blocks ahead
-            run_quant(codes, meta, n);
+            quant_block(codes, meta, n);
           } else {
             run(n, [&](int i, int part) {
               return load_quant(codes + (size_t)i * W, meta + (size_t)i * Ws, part, part ? vrow : krow);
@@ -351,6 +389,7 @@ struct Attend {
         }
       }
     }
+    flush_pending();
   }
 
   // software prefetch of the next quantized block of this head (codes and scales)

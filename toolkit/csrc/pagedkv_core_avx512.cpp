@@ -1,11 +1,13 @@
 // AVX-512 attention path (compiled with -mavx512f/bw/vl/dq + AVX2/FMA/F16C; the caller checks the CPU
-// before selecting it). Same structure as the AVX2 path, 16 lanes wide:
+// before selecting it). Same structure as the AVX2 path, 16 lanes wide, on runs of up to 32 keys (two
+// blocks of 16 tokens: kPairBlocks):
 //   K scores: per key, the group dot products of all query heads from one load of the key's codes
-//     (q rows stay in L1), scaled per group, then 16 keys x 1 head are reduced at once by a transpose-add
-//     tree (2.8 shuffles/adds per score instead of a full horizontal sum each).
-//   V: 64 dims x all heads of accumulators live in registers while the block's keys stream by;
-//     4-bit codes are split into their nibbles without interleaving (evens/odds lane order, undone once
-//     per block).
+//     (q rows stay in L1); the vectors of 16 keys x 1 head are reduced at once by a transpose-add tree
+//     (about 3 shuffles/adds per score instead of a full horizontal sum each), then scaled per key.
+//   softmax: the row maxima and sums of all heads through one transpose-reduce per 4 heads.
+//   V: the accumulators of 64 dims x all heads live in registers while the run's keys stream by; 4-bit
+//     codes are split into their nibbles without interleaving (evens/odds lane order, undone once per
+//     run); zero-point sums of all (head, group) pairs reduced four at a time.
 // Dequantized values are never written; sums run in another order than the reference (agreement ~1e-6).
 #include <immintrin.h>
 
@@ -81,8 +83,8 @@ void scores_tile(const QuantRun& r, const float* q, const float* qsum, float sca
   int i = 0;
   if constexpr (NCH > 0) {
     for (; i + 2 <= n; i += 2) {
-      const uint8_t* c0 = r.codes + (size_t)i * r.W;
-      const uint8_t* c1 = c0 + r.W;
+      const uint8_t* c0 = r.rec(i);
+      const uint8_t* c1 = r.rec(i + 1);
       const float* m0 = r.metaf + (size_t)i * r.Ws;
       const float* m1 = m0 + r.Ws;
       __m512 t0[GN], t1[GN];
@@ -115,7 +117,7 @@ void scores_tile(const QuantRun& r, const float* q, const float* qsum, float sca
     }
   }
   for (; i < n; ++i) {
-    const uint8_t* c = r.codes + (size_t)i * r.W;
+    const uint8_t* c = r.rec(i);
     const float* m = r.metaf + (size_t)i * r.Ws;
     __m512 tot[GN];
     for (int gi = 0; gi < ngk; ++gi) {
@@ -202,7 +204,6 @@ template <int BITS, bool SYM, bool SPLIT, int GN, int DIMS>
 inline void vacc_pass(const QuantRun& r, const float* coef, const float* zt, int j0, float* acc) {
   constexpr int NV = DIMS / 16;  // vectors per head
   const int vg = r.v_group, n = r.n, D = r.D;
-  const uint8_t* vc = r.codes + r.kcb;
   int go[NV];  // coef offset of the group of each vector's first dim
   for (int v = 0; v < NV; ++v) {
     // 4 bits: vector 2p holds the even dims of pair p, 2p+1 the odd ones; lanes 0-7 of both come from
@@ -219,7 +220,7 @@ inline void vacc_pass(const QuantRun& r, const float* coef, const float* zt, int
         A[g][v] = _mm512_mask_blend_ps(0xff00, A[g][v], _mm512_set1_ps(zt[g * 32 + (go[v] + hi_off) / 32]));
     }
   for (int i = 0; i < n; ++i) {
-    const uint8_t* c = vc + (size_t)i * r.W;
+    const uint8_t* c = r.rec(i) + r.kcb;
     __m512 x[NV];
     if constexpr (DIMS == 16) {
       x[0] = load16<BITS, SYM>(c, j0);
@@ -331,15 +332,22 @@ inline void by_head_tiles(int G, F&& f) {
   for (int g0 = 0; g0 < G; g0 += 4) f(g0, std::min(4, G - g0));
 }
 
+// n fp16 values -> float
+inline void f16_to_f32_n(const uint16_t* h, float* out, size_t n) {
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+  for (; i < n; ++i) out[i] = h2f(h[i]);
+}
+
 struct Avx512Ops {
   static constexpr bool kFastQuant = true;
+  static constexpr bool kPairBlocks = true;  // runs of two blocks (QuantRun::rec)
 
   static void q_scores(const QuantRun& r, const float* q, const float* qsum, int G, float scale, float* sc, int ldsc) {
-    const size_t nm = (size_t)r.n * r.Ws;
-    size_t i = 0;
-    for (; i + 16 <= nm; i += 16)
-      _mm512_storeu_ps(r.metaf + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.meta + i))));
-    for (; i < nm; ++i) r.metaf[i] = h2f(r.meta[i]);
+    // the run's fp16 scales/zeros as float32, both segments back to back (v_accum reuses them)
+    f16_to_f32_n(r.meta, r.metaf, (size_t)r.n_first * r.Ws);
+    if (r.n > r.n_first) f16_to_f32_n(r.meta2, r.metaf + (size_t)r.n_first * r.Ws, (size_t)(r.n - r.n_first) * r.Ws);
     alignas(64) float tv[4 * 32 * 16];
     const int ngk = r.D / r.k_group;
     by_head_tiles(G, [&](int g0, int gn) {
@@ -481,12 +489,7 @@ struct Avx512Ops {
       _mm512_mask_storeu_ps(y + i, k, _mm512_mul_ps(va, _mm512_maskz_loadu_ps(k, y + i)));
     }
   }
-  static void f16_to_f32(const uint16_t* h, float* out, int n) {
-    int i = 0;
-    for (; i + 16 <= n; i += 16)
-      _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
-    for (; i < n; ++i) out[i] = h2f(h[i]);
-  }
+  static void f16_to_f32(const uint16_t* h, float* out, int n) { f16_to_f32_n(h, out, (size_t)n); }
   static void unpack4(const uint8_t* codes, int n, uint8_t* out) {
     int i = 0;
     for (; i + 1 < n; i += 2) {

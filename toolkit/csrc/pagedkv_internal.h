@@ -29,11 +29,14 @@ struct AttnContext {
   size_t partial_stride() const { return (size_t)G * (2 + (size_t)p->D); }
 };
 
+// Keys one fused run may hold: two blocks of up to 16 tokens, or one larger block.
+inline int run_capacity(int block_size) { return block_size <= 16 ? 2 * block_size : block_size; }
+
 // Floats of per-thread scratch one attend call needs.
 inline size_t attn_scratch_floats(const AttnContext& c) {
-  const size_t D = (size_t)c.p->D, bs = (size_t)c.p->block_size, G = (size_t)c.G;
+  const size_t D = (size_t)c.p->D, bs = (size_t)run_capacity(c.p->block_size), G = (size_t)c.G;
   return 2 * D + 2 * D /*unpacked codes*/ + G * bs + G * D + 2 * G + 64 + G * 32 /*q sums per K group*/ +
-         2 * G * D /*prepared q*/ + 2 * G /*row ops*/ + bs * (size_t)c.p->scale_width + 8 /*float meta of a block*/;
+         2 * G * D /*prepared q*/ + 2 * G /*row ops*/ + bs * (size_t)c.p->scale_width + 8 /*float meta of a run*/;
 }
 
 // Attention for token t and KV head h: all G query heads of that KV head, written to out.
