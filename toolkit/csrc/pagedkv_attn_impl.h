@@ -56,6 +56,21 @@ struct QuantRun {
   const uint8_t* rec(int i) const { return i < n_first ? codes + (size_t)i * W : codes2 + (size_t)(i - n_first) * W; }
 };
 
+// Calls f(std::integral_constant<int, GN>(), g0) for the tiles g0 = 0, 4, 8, .. of the G query heads of
+// a KV head, GN = the heads of the tile (<= 4, a compile-time constant so that a tile's accumulators
+// live in registers). The fused fast paths of every ISA split their work this way.
+template <class F>
+inline void for_head_tiles(int G, F&& f) {
+  for (int g0 = 0; g0 < G; g0 += 4) {
+    switch (G - g0) {
+      case 1: f(std::integral_constant<int, 1>(), g0); break;
+      case 2: f(std::integral_constant<int, 2>(), g0); break;
+      case 3: f(std::integral_constant<int, 3>(), g0); break;
+      default: f(std::integral_constant<int, 4>(), g0); break;
+    }
+  }
+}
+
 template <class T, class = void>
 struct HasRowOps : std::false_type {};
 template <class T>

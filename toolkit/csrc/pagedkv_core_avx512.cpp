@@ -327,9 +327,33 @@ inline __m512 exp512(__m512 x) {
   return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(e));
 }
 
-template <class F>
-inline void by_head_tiles(int G, F&& f) {
-  for (int g0 = 0; g0 < G; g0 += 4) f(g0, std::min(4, G - g0));
+// K scores of all heads, by tiles of up to 4 heads; NCH as for scores_tile
+template <int BITS, bool SYM, int NCH>
+void scores_all(const QuantRun& r, const float* q, const float* qsum, int G, float scale, float* sc, int ldsc,
+                float* tv) {
+  const int ngk = r.D / r.k_group;
+  impl::for_head_tiles(G, [&](auto gn, int g0) {
+    scores_tile<BITS, SYM, decltype(gn)::value, NCH>(r, q + (size_t)g0 * r.D, qsum + (size_t)g0 * ngk, scale,
+                                                     sc + (size_t)g0 * ldsc, ldsc, tv);
+  });
+}
+
+template <int BITS, bool SYM>
+void scores_by_group(const QuantRun& r, const float* q, const float* qsum, int G, float scale, float* sc, int ldsc,
+                     float* tv) {
+  switch (r.k_group) {
+    case 16: scores_all<BITS, SYM, 1>(r, q, qsum, G, scale, sc, ldsc, tv); break;
+    case 32: scores_all<BITS, SYM, 2>(r, q, qsum, G, scale, sc, ldsc, tv); break;
+    case 64: scores_all<BITS, SYM, 4>(r, q, qsum, G, scale, sc, ldsc, tv); break;
+    default: scores_all<BITS, SYM, 0>(r, q, qsum, G, scale, sc, ldsc, tv); break;
+  }
+}
+
+template <int BITS, bool SYM, bool SPLIT>
+void vacc_all(const QuantRun& r, const float* p, int ldp, int G, float* acc) {
+  impl::for_head_tiles(G, [&](auto gn, int g0) {
+    vacc_tile<BITS, SYM, decltype(gn)::value, SPLIT>(r, p + (size_t)g0 * ldp, ldp, acc + (size_t)g0 * r.D);
+  });
 }
 
 // n fp16 values -> float
@@ -349,56 +373,23 @@ struct Avx512Ops {
     f16_to_f32_n(r.meta, r.metaf, (size_t)r.n_first * r.Ws);
     if (r.n > r.n_first) f16_to_f32_n(r.meta2, r.metaf + (size_t)r.n_first * r.Ws, (size_t)(r.n - r.n_first) * r.Ws);
     alignas(64) float tv[4 * 32 * 16];
-    const int ngk = r.D / r.k_group;
-    by_head_tiles(G, [&](int g0, int gn) {
-      const float* qq = q + (size_t)g0 * r.D;
-      const float* qs = qsum + (size_t)g0 * ngk;
-      float* s = sc + (size_t)g0 * ldsc;
-#define PAGEDKV_SCORES_G(B, S, NCH)                                           \
-  switch (gn) {                                                               \
-    case 4: scores_tile<B, S, 4, NCH>(r, qq, qs, scale, s, ldsc, tv); break;  \
-    case 3: scores_tile<B, S, 3, NCH>(r, qq, qs, scale, s, ldsc, tv); break;  \
-    case 2: scores_tile<B, S, 2, NCH>(r, qq, qs, scale, s, ldsc, tv); break;  \
-    default: scores_tile<B, S, 1, NCH>(r, qq, qs, scale, s, ldsc, tv); break; \
-  }
-#define PAGEDKV_SCORES(B, S)                                          \
-  switch (r.k_group) {                                                \
-    case 16: PAGEDKV_SCORES_G(B, S, 1) break;                         \
-    case 32: PAGEDKV_SCORES_G(B, S, 2) break;                         \
-    case 64: PAGEDKV_SCORES_G(B, S, 4) break;                         \
-    default: PAGEDKV_SCORES_G(B, S, 0) break;                         \
-  }
-      if (r.k_bits == 8) {
-        if (r.k_sym) { PAGEDKV_SCORES(8, true) } else { PAGEDKV_SCORES(8, false) }
-      } else {
-        if (r.k_sym) { PAGEDKV_SCORES(4, true) } else { PAGEDKV_SCORES(4, false) }
-      }
-#undef PAGEDKV_SCORES
-#undef PAGEDKV_SCORES_G
-    });
+    if (r.k_bits == 8) {
+      r.k_sym ? scores_by_group<8, true>(r, q, qsum, G, scale, sc, ldsc, tv)
+              : scores_by_group<8, false>(r, q, qsum, G, scale, sc, ldsc, tv);
+    } else {
+      r.k_sym ? scores_by_group<4, true>(r, q, qsum, G, scale, sc, ldsc, tv)
+              : scores_by_group<4, false>(r, q, qsum, G, scale, sc, ldsc, tv);
+    }
   }
 
   static void v_accum(const QuantRun& r, const float* p, int ldp, int G, float* acc) {
-    by_head_tiles(G, [&](int g0, int gn) {
-      const float* pp = p + (size_t)g0 * ldp;
-      float* a = acc + (size_t)g0 * r.D;
-      const bool split = r.v_group % 32 != 0;
-#define PAGEDKV_VACC(B, S, SP)                                \
-  switch (gn) {                                               \
-    case 4: vacc_tile<B, S, 4, SP>(r, pp, ldp, a); break;     \
-    case 3: vacc_tile<B, S, 3, SP>(r, pp, ldp, a); break;     \
-    case 2: vacc_tile<B, S, 2, SP>(r, pp, ldp, a); break;     \
-    default: vacc_tile<B, S, 1, SP>(r, pp, ldp, a); break;    \
-  }
-      if (r.v_bits == 8) {
-        if (r.v_sym) { PAGEDKV_VACC(8, true, false) } else { PAGEDKV_VACC(8, false, false) }
-      } else if (split) {
-        if (r.v_sym) { PAGEDKV_VACC(4, true, true) } else { PAGEDKV_VACC(4, false, true) }
-      } else {
-        if (r.v_sym) { PAGEDKV_VACC(4, true, false) } else { PAGEDKV_VACC(4, false, false) }
-      }
-#undef PAGEDKV_VACC
-    });
+    if (r.v_bits == 8) {
+      r.v_sym ? vacc_all<8, true, false>(r, p, ldp, G, acc) : vacc_all<8, false, false>(r, p, ldp, G, acc);
+    } else if (r.v_group % 32 != 0) {  // lanes 0-7 / 8-15 of a 4-bit vector in different groups
+      r.v_sym ? vacc_all<4, true, true>(r, p, ldp, G, acc) : vacc_all<4, false, true>(r, p, ldp, G, acc);
+    } else {
+      r.v_sym ? vacc_all<4, true, false>(r, p, ldp, G, acc) : vacc_all<4, false, false>(r, p, ldp, G, acc);
+    }
   }
 
   // q rows in the lane order q_scores reads (4-bit K: per 16 dims, the 8 even dims then the 8 odd)

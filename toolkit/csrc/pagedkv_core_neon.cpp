@@ -67,17 +67,9 @@ void scores_tile(const QuantRun& r, const float* q, const float* qsum, float sca
 template <int BITS, bool SYM>
 void scores_all(const QuantRun& r, const float* q, const float* qsum, int G, float scale, float* sc, int ldsc) {
   const int ngk = r.D / r.k_group;
-  for (int g0 = 0; g0 < G; g0 += 4) {
-    const float* qq = q + (size_t)g0 * r.D;
-    const float* qs = qsum + (size_t)g0 * ngk;
-    float* s = sc + (size_t)g0 * ldsc;
-    switch (std::min(4, G - g0)) {
-      case 4: scores_tile<BITS, SYM, 4>(r, qq, qs, scale, s, ldsc); break;
-      case 3: scores_tile<BITS, SYM, 3>(r, qq, qs, scale, s, ldsc); break;
-      case 2: scores_tile<BITS, SYM, 2>(r, qq, qs, scale, s, ldsc); break;
-      default: scores_tile<BITS, SYM, 1>(r, qq, qs, scale, s, ldsc); break;
-    }
-  }
+  impl::for_head_tiles(G, [&](auto gn, int g0) {
+    scores_tile<BITS, SYM, decltype(gn)::value>(r, q + (size_t)g0 * r.D, qsum + (size_t)g0 * ngk, scale, sc + (size_t)g0 * ldsc, ldsc);
+  });
 }
 
 struct NeonFp32Ops : NeonFusedOps {

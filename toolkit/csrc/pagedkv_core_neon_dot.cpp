@@ -154,15 +154,9 @@ void scores_tile(const QuantRun& r, const QPrep& qp, int g0, const float* qsum, 
 
 template <int BITS, bool SYM>
 void scores_all(const QuantRun& r, const QPrep& qp, const float* qsum, int G, float scale, float* sc, int ldsc) {
-  for (int g0 = 0; g0 < G; g0 += 4) {
-    float* s = sc + (size_t)g0 * ldsc;
-    switch (std::min(4, G - g0)) {
-      case 4: scores_tile<BITS, SYM, 4>(r, qp, g0, qsum, scale, s, ldsc); break;
-      case 3: scores_tile<BITS, SYM, 3>(r, qp, g0, qsum, scale, s, ldsc); break;
-      case 2: scores_tile<BITS, SYM, 2>(r, qp, g0, qsum, scale, s, ldsc); break;
-      default: scores_tile<BITS, SYM, 1>(r, qp, g0, qsum, scale, s, ldsc); break;
-    }
-  }
+  impl::for_head_tiles(G, [&](auto gn, int g0) {
+    scores_tile<BITS, SYM, decltype(gn)::value>(r, qp, g0, qsum, scale, sc + (size_t)g0 * ldsc, ldsc);
+  });
 }
 
 struct NeonDotOps : NeonFusedOps {

@@ -285,10 +285,34 @@ static void test_attention_vs_naive() {
   }
 }
 
-static void test_paths_agree() {
+// the SIMD code paths of this CPU
+static std::vector<Isa> simd_paths() {
   std::vector<Isa> paths;
   for (Isa i : {Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kNeonDot})
     if (isa_available(i)) paths.push_back(i);
+  return paths;
+}
+
+// Runs `base` on the scalar path and on every SIMD path: pools bit-identical, outputs within 1e-4.
+static void check_paths_agree(const Case& base, const char* what, int index) {
+  set_isa(Isa::kScalar);
+  Case c0 = base;
+  std::vector<float> out0;
+  CHECK(run_case(c0, out0) == 0, "run");
+  for (Isa isa : simd_paths()) {
+    set_isa(isa);
+    Case c1 = base;
+    std::vector<float> out1;
+    run_case(c1, out1);
+    CHECK(c1.codes == c0.codes && c1.scales == c0.scales && c1.stage == c0.stage, "%s pools differ", isa_name(isa));
+    const float e = max_rel(out1, out0);
+    CHECK(e < 1e-4f, "%s vs scalar, %s %d: max rel err %g", isa_name(isa), what, index, e);
+  }
+  set_isa(Isa::kAuto);
+}
+
+static void test_paths_agree() {
+  const std::vector<Isa> paths = simd_paths();
   std::printf("code paths: scalar");
   for (Isa i : paths) std::printf(" %s", isa_name(i));
   std::printf("\n");
@@ -300,22 +324,8 @@ static void test_paths_agree() {
     Case base = make_case(2 * G, 2, trial % 2 ? 128 : 64, trial % 3 ? 16 : 32, fb ? fb : kb, fb ? fb : vb,
                           !fb && trial % 2, !fb && trial % 4 != 0, !fb && (trial % 3 == 0), trial == 5 ? 7 : 0,
                           trial == 6 ? 20.f : 0.f, trial % 2, fb, lens);
-    // a second call: decode one token for each sequence on top of the pool the first call wrote
-    set_isa(Isa::kScalar);
-    Case c0 = base;
-    std::vector<float> out0;
-    run_case(c0, out0);
-    for (Isa isa : paths) {
-      set_isa(isa);
-      Case c1 = base;
-      std::vector<float> out1;
-      run_case(c1, out1);
-      CHECK(c1.codes == c0.codes && c1.scales == c0.scales && c1.stage == c0.stage, "%s pools differ", isa_name(isa));
-      const float e = max_rel(out1, out0);
-      CHECK(e < 1e-4f, "%s vs scalar trial %d: max rel err %g", isa_name(isa), trial, e);
-    }
+    check_paths_agree(base, "trial", trial);
   }
-  set_isa(Isa::kAuto);
 }
 
 // Other groups / symmetry than make_case's (32, 32, sym K, asym V): new record widths, empty pools.
@@ -341,9 +351,6 @@ static void test_quant_paths_agree() {
       {8, 256, 32, 4, 4, 128, 256, true, true, 0, 0.f, {100}},
       {1, 64, 16, 4, 4, 64, 64, false, false, 33, 0.f, {130, 64}},
   };
-  std::vector<Isa> paths;
-  for (Isa i : {Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kNeonDot})
-    if (isa_available(i)) paths.push_back(i);
   for (size_t n = 0; n < cfgs.size(); ++n) {
     const Cfg& f = cfgs[n];
     Case base = make_case(2 * f.G, 2, f.D, f.bs, f.kb, f.vb, true, true, 1, f.window, f.cap, n % 2 == 0, 0, f.lens);
@@ -352,21 +359,8 @@ static void test_quant_paths_agree() {
       std::fill(base.q.begin(), base.q.begin() + f.D, 0.f);
       for (size_t i = (size_t)base.p.T * f.D; i < (size_t)2 * base.p.T * f.D; ++i) base.q[i] *= 1e-2f;
     }
-    set_isa(Isa::kScalar);
-    Case c0 = base;
-    std::vector<float> out0;
-    CHECK(run_case(c0, out0) == 0, "run");
-    for (Isa isa : paths) {
-      set_isa(isa);
-      Case c1 = base;
-      std::vector<float> out1;
-      run_case(c1, out1);
-      CHECK(c1.codes == c0.codes && c1.scales == c0.scales && c1.stage == c0.stage, "%s pools differ", isa_name(isa));
-      const float e = max_rel(out1, out0);
-      CHECK(e < 1e-4f, "%s vs scalar, quantized spec %zu: max rel err %g", isa_name(isa), n, e);
-    }
+    check_paths_agree(base, "quantized spec", (int)n);
   }
-  set_isa(Isa::kAuto);
 }
 
 static void test_errors() {

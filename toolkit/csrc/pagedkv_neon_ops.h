@@ -159,16 +159,9 @@ void vacc_tile(const QuantRun& r, const float* p, int ldp, float* acc) {
 
 template <int BITS, bool SYM>
 void vacc_all(const QuantRun& r, const float* p, int ldp, int G, float* acc) {
-  for (int g0 = 0; g0 < G; g0 += 4) {
-    const float* pp = p + (size_t)g0 * ldp;
-    float* a = acc + (size_t)g0 * r.D;
-    switch (G - g0 < 4 ? G - g0 : 4) {
-      case 4: vacc_tile<BITS, SYM, 4>(r, pp, ldp, a); break;
-      case 3: vacc_tile<BITS, SYM, 3>(r, pp, ldp, a); break;
-      case 2: vacc_tile<BITS, SYM, 2>(r, pp, ldp, a); break;
-      default: vacc_tile<BITS, SYM, 1>(r, pp, ldp, a); break;
-    }
-  }
+  impl::for_head_tiles(G, [&](auto gn, int g0) {
+    vacc_tile<BITS, SYM, decltype(gn)::value>(r, p + (size_t)g0 * ldp, ldp, acc + (size_t)g0 * r.D);
+  });
 }
 
 // exp for the softmax only (Cephes-style range reduction + degree-6 polynomial, ~1 ulp); x <= 0 here.
