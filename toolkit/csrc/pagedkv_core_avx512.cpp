@@ -76,7 +76,9 @@ inline __m128 hsum4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
 //       = scale * sum_groups (s_k * dot(q, u) + z_k * sum(q))   (asym)
 // Per key and head the group sums stay in one vector; the vectors of 16 keys are reduced together by
 // reduce16.
-// NCH: 16-dim chunks per K group when it is 1, 2 or 4 (unrolled, two keys interleaved), else 0 (loop).
+// NCH: 16-dim chunks per K group when it is 1, 2 or 4 (unrolled, two keys interleaved), else 0: then
+// (and for an odd last key) the one-key loop below, which measured ~5% faster than folding both into one
+// template on the number of keys.
 template <int BITS, bool SYM, int GN, int NCH>
 void scores_tile(const QuantRun& r, const float* q, const float* qsum, float scale, float* sc, int ldsc, float* tv) {
   const int D = r.D, kg = NCH ? NCH * 16 : r.k_group, ngk = D / kg, n = r.n;
@@ -150,11 +152,11 @@ void scores_tile(const QuantRun& r, const float* q, const float* qsum, float sca
       __m512 s = _mm512_mul_ps(reduce16(tv + ((size_t)g * 32 + i0) * 16), mul);
       if (!SYM) {  // + scale * z * sum(q over the group)
         alignas(64) float zq[16] = {0.f};
-        for (int i = 0; i < cnt; ++i) {
-          const float* z = r.metaf + (size_t)(i0 + i) * r.Ws + ngk;
+        for (int k = 0; k < cnt; ++k) {
+          const float* z = r.metaf + (size_t)(i0 + k) * r.Ws + ngk;
           float t = 0.f;
           for (int gi = 0; gi < ngk; ++gi) t += z[gi] * qsum[g * ngk + gi];
-          zq[i] = t * scale;
+          zq[k] = t * scale;
         }
         s = _mm512_add_ps(s, _mm512_load_ps(zq));
       }
