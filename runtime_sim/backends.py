@@ -116,7 +116,8 @@ class ExecuTorchBackend:
     The pool lives in the program's mutable buffers (one memory arena per layer); the runtime
     allocates those arenas when the program loads and the op updates them in place every step. The
     kernel library reports where they are (toolkit.native.et_pool_arrays); this backend takes those
-    views after each of its own steps, so they stay its own even when other programs run."""
+    views right after its own first step (the program's planned memory does not move afterwards), so
+    they stay its own even when other programs run later."""
 
     name = "executorch"
 
@@ -150,7 +151,7 @@ class ExecuTorchBackend:
         return out[0][0].numpy()
 
     def pool_arrays(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        if self._pools is None:  # nothing written yet: the buffers hold the program's initial zeros
+        if self._pools is None:  # the kernels report the buffers when they first run
             raise PagedKVError("the executorch backend's pool buffers are known after its first step; run one first.")
         return self._pools
 

@@ -17,6 +17,8 @@
 //   void q_prepare(const float* q, int G, int D, int k_bits, int k_group, float* out);
 //        // the G query rows in the form q_scores reads (lane order, or int8 limbs: see
 //        // split_q_limbs); out has room for 2 * G * D floats
+// Optional: kPairBlocks = true when q_scores / v_accum read records through QuantRun::rec, so that a
+// run may span two blocks of <= 16 tokens (half the per-run overhead).
 // Optional row-wise softmax helpers (all G rows of sc at once, fewer horizontal reductions):
 //   void row_max(const float* sc, int ldsc, int G, int n, float* out);           // out[g] = max row g
 //   void row_exp(float* sc, int ldsc, int G, int n, const float* m, float* sum);  // exp_sub per row
@@ -102,7 +104,7 @@ struct Attend {
   float* l;       // [G]
   float* qsum;    // [G, D / k_group] sums of q per K group (fast path, asymmetric K)
   float* qk;      // [2 * G * D] q as Ops::q_prepare wrote it (fast path)
-  float* metaf;   // [bs * Ws] (fast path)
+  float* metaf;   // [ld * Ws] (fast path)
   float* rowm;    // [G] block maxima, then the new running maxima (row ops)
   float* rows;    // [G] row sums (row ops)
   const float* q;
