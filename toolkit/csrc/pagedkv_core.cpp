@@ -460,6 +460,10 @@ bool all_finite(const float* x, int n) {
 }
 
 constexpr int64_t kSplitBlocks = 16;  // split-K: about this many blocks per part
+// Waking the pool's threads costs tens of microseconds: a call whose attention work (visible keys x
+// KV heads x (query heads per KV head + 1) x head_dim) is below this runs on the calling thread
+// (measured on the 2-core dev VM: 2 threads were slower up to ~1K cached tokens at SmolLM2 dims).
+constexpr int64_t kParallelMinWork = int64_t(3) << 19;
 
 struct CallScratch {
   std::vector<float> qrot, krot, vrot, partial;
@@ -704,9 +708,16 @@ int paged_attention(const PagedAttnParams& P, const PagedAttnBuffers& B, char* e
       fn(c, th / Hkv, th % Hkv, thread_scratch(scratch_n));
     }
   };
+  int64_t work = 0;
+  for (int t = 0; t < T; ++t) {
+    const int64_t p = B.positions[t];
+    work += P.window > 0 ? std::min<int64_t>(p + 1, P.window) : p + 1;
+  }
+  work *= (int64_t)Hkv * (ctx.G + 1) * D;
   {
     std::lock_guard<std::mutex> lk(g_pool_mutex);
-    const int want = std::min(num_threads(), items) - 1;
+    // the split above does not depend on this, so neither does the result
+    const int want = work < kParallelMinWork ? 0 : std::min(num_threads(), items) - 1;
     const int nthreads = std::max(0, std::min(num_threads() - 1, 64));
     if (pool().workers() != nthreads) pool().resize(nthreads);
     if (want <= 0) {

@@ -382,7 +382,8 @@ static void test_errors() {
 }
 
 static void test_threads() {
-  Case base = make_case(8, 2, 64, 16, 8, 4, true, true, 1, 0, 0.f, true, 0, {64, 30, 3});
+  // enough work that the call runs on the thread pool (kParallelMinWork)
+  Case base = make_case(8, 2, 64, 16, 8, 4, true, true, 1, 0, 0.f, true, 0, {160, 40, 3});
   set_num_threads(1);
   Case a = base;
   std::vector<float> oa, ob;
