@@ -10,11 +10,14 @@ block and stage copies (fork / copy-on-write) are written once on top of them.
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
-from toolkit.compiler import PagedModel
+import numpy as np
+
 from toolkit.errors import KernelLibraryMissing, PagedKVError
+
+if TYPE_CHECKING:  # torch (and transformers) only where a backend needs them: not for onnxruntime
+    from toolkit.compiler import PagedModel
 
 
 def copy_pool_block(backend, src: int, dst: int) -> None:
@@ -40,6 +43,8 @@ class TorchBackend:
         self.layout = paged.layout
 
     def forward(self, ids, positions, seq_ids, tables) -> np.ndarray:
+        import torch
+
         with torch.no_grad():
             logits = self.paged(
                 torch.from_numpy(ids)[None],
@@ -85,7 +90,7 @@ class OrtBackend:
         self.session = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
         self.inputs, self.outputs = inputs, outputs
         # numpy arrays own the memory; the OrtValues wrap it without a copy (CPU)
-        self.arrays = [t.numpy() for i in range(layout.num_layers) for t in layout.allocate_layer()]
+        self.arrays = [a for i in range(layout.num_layers) for a in layout.allocate_layer_numpy()]
         self.pools = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.arrays]
         self.binding = self.session.io_binding()
         self.binding.bind_output(outputs[0], "cpu")  # first, so get_outputs()[0] is the logits
@@ -140,6 +145,8 @@ class ExecuTorchBackend:
                 f"{len(ids)} tokens in one call, the .pte accepts at most {self.max_tokens}: lower the prefill "
                 "chunk or re-export with a larger --max-tokens-per-call."
             )
+        import torch
+
         out = self.module.forward(
             (torch.from_numpy(ids)[None], torch.from_numpy(positions), torch.from_numpy(seq_ids),
              torch.from_numpy(tables))

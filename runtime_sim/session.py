@@ -22,9 +22,9 @@ BACKENDS = ("onnxruntime", "executorch", "torch")
 def load_tokenizer(art_dir: Path, manifest: dict):
     if not manifest.get("tokenizer_files"):
         return None
-    from transformers import AutoTokenizer
+    from runtime_sim.tokenizer import ArtifactTokenizer
 
-    return AutoTokenizer.from_pretrained(str(art_dir))
+    return ArtifactTokenizer(art_dir)
 
 
 def available_ram_bytes() -> int:

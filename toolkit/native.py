@@ -96,14 +96,12 @@ def et_pool_arrays(layout) -> list[tuple]:
     recent call, per layer: (codes, scales, stage) with the layout's shapes and dtypes. They point into
     the planned memory of the program that ran last; valid while that program stays loaded."""
     import numpy as np
-    import torch
 
     lib = load_executorch_kernels()
     fn = lib.pagedkv_et_pool_view
     fn.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)]
     fn.restype = ctypes.c_int
-    np_dtype = {torch.uint8: np.uint8, torch.float16: np.float16, torch.float32: np.float32}
-    shapes = [(layout.codes_shape(), np_dtype[layout.codes_dtype]), (layout.scales_shape(), np.float16),
+    shapes = [(layout.codes_shape(), np.dtype(layout.codes_dtype_name)), (layout.scales_shape(), np.float16),
               (layout.stage_shape(), np.float16)]
     out = []
     for layer in range(layout.num_layers):

@@ -16,12 +16,14 @@ A token at position p of sequence s lives in slot block_tables[s, p // block_siz
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
-import torch
-
 from toolkit.errors import SpecError
-from toolkit.quant import KVQuantSpec, bytes_per_token, fp_stage_bytes_per_sequence, record_layout
+from toolkit.kv_spec import KVQuantSpec, bytes_per_token, fp_stage_bytes_per_sequence, record_layout
+
+# element sizes of the pool's dtypes (by name: no torch import for the runtimes that do not need it)
+ELEMENT_BYTES = {"uint8": 1, "float16": 2, "float32": 4}
 
 VALID_BLOCK_SIZES = (16, 32)
 
@@ -54,8 +56,15 @@ class PoolLayout:
         return not self.spec.is_float and bool(self.spec.fp_tail or self.spec.sink_blocks)
 
     @property
-    def codes_dtype(self) -> torch.dtype:
-        return {32: torch.float32, 16: torch.float16}.get(self.spec.k_bits, torch.uint8)
+    def codes_dtype_name(self) -> str:
+        return {32: "float32", 16: "float16"}.get(self.spec.k_bits, "uint8")
+
+    @property
+    def codes_dtype(self):
+        """The codes tensor's torch.dtype."""
+        import torch
+
+        return getattr(torch, self.codes_dtype_name)
 
     def codes_shape(self) -> tuple[int, ...]:
         return (self.num_blocks, self.num_kv_heads, self.block_size, record_layout(self.spec, self.head_dim).code_width)
@@ -70,12 +79,10 @@ class PoolLayout:
         return (rows, 2, 2, self.num_kv_heads, self.block_size, self.head_dim)
 
     def layer_tensor_bytes(self) -> dict[str, int]:
-        elem = {torch.uint8: 1, torch.float16: 2, torch.float32: 4}[self.codes_dtype]
-        n = lambda shape: int(torch.Size(shape).numel())  # noqa: E731
         return {
-            "codes": n(self.codes_shape()) * elem,
-            "scales": n(self.scales_shape()) * 2,
-            "stage": n(self.stage_shape()) * 2,
+            "codes": math.prod(self.codes_shape()) * ELEMENT_BYTES[self.codes_dtype_name],
+            "scales": math.prod(self.scales_shape()) * 2,
+            "stage": math.prod(self.stage_shape()) * 2,
         }
 
     @property
@@ -98,12 +105,24 @@ class PoolLayout:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    def allocate_layer(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Fresh zeroed (codes, scales, stage) tensors for one layer."""
+    def allocate_layer(self) -> tuple:
+        """Fresh zeroed (codes, scales, stage) torch tensors for one layer."""
+        import torch
+
         return (
             torch.zeros(self.codes_shape(), dtype=self.codes_dtype),
             torch.zeros(self.scales_shape(), dtype=torch.float16),
             torch.zeros(self.stage_shape(), dtype=torch.float16),
+        )
+
+    def allocate_layer_numpy(self) -> tuple:
+        """The same as numpy arrays (for runtimes without torch)."""
+        import numpy as np
+
+        return (
+            np.zeros(self.codes_shape(), dtype=self.codes_dtype_name),
+            np.zeros(self.scales_shape(), dtype=np.float16),
+            np.zeros(self.stage_shape(), dtype=np.float16),
         )
 
     def to_dict(self) -> dict:
@@ -113,7 +132,7 @@ class PoolLayout:
             codes_shape=list(self.codes_shape()),
             scales_shape=list(self.scales_shape()),
             stage_shape=list(self.stage_shape()),
-            codes_dtype=str(self.codes_dtype).removeprefix("torch."),
+            codes_dtype=self.codes_dtype_name,
             bytes_per_token=self.bytes_per_token,
             largest_allocation_bytes=self.largest_allocation_bytes,
             total_bytes=self.total_bytes,
