@@ -96,13 +96,13 @@ def _timed_decode(first_logits, step, steps: int, warmup: int):
 
 def run_ours(args, ids):
     sys.path.insert(0, str(REPO))
-    import torch
-
-    torch.set_num_threads(args.threads)
     from runtime_sim.session import open_artifacts
 
     backend = "onnxruntime" if args.system == "ours-onnx" else "executorch"
-    if backend == "executorch":
+    if backend == "executorch":  # the onnxruntime path does not import torch at all
+        import torch
+
+        torch.set_num_threads(args.threads)
         from executorch.extension.pybindings import portable_lib
 
         portable_lib._unsafe_reset_threadpool(args.threads)
