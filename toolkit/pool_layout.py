@@ -105,18 +105,8 @@ class PoolLayout:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    def allocate_layer(self) -> tuple:
-        """Fresh zeroed (codes, scales, stage) torch tensors for one layer."""
-        import torch
-
-        return (
-            torch.zeros(self.codes_shape(), dtype=self.codes_dtype),
-            torch.zeros(self.scales_shape(), dtype=torch.float16),
-            torch.zeros(self.stage_shape(), dtype=torch.float16),
-        )
-
     def allocate_layer_numpy(self) -> tuple:
-        """The same as numpy arrays (for runtimes without torch)."""
+        """Fresh zeroed (codes, scales, stage) numpy arrays for one layer (runtimes without torch)."""
         import numpy as np
 
         return (
@@ -124,6 +114,12 @@ class PoolLayout:
             np.zeros(self.scales_shape(), dtype=np.float16),
             np.zeros(self.stage_shape(), dtype=np.float16),
         )
+
+    def allocate_layer(self) -> tuple:
+        """The same as torch tensors (sharing the arrays' memory)."""
+        import torch
+
+        return tuple(torch.from_numpy(a) for a in self.allocate_layer_numpy())
 
     def to_dict(self) -> dict:
         d = asdict(self)
