@@ -17,25 +17,9 @@ namespace {
 // UTF-8 bytes -> UTF-16 (invalid bytes become U+FFFD), for NewString (NewStringUTF wants modified UTF-8).
 std::u16string utf8_to_utf16(const std::string& s) {
   std::u16string out;
-  size_t i = 0;
-  while (i < s.size()) {
-    unsigned char c = static_cast<unsigned char>(s[i]);
-    size_t n = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
-    uint32_t cp = c;
-    bool ok = n > 0 && i + n <= s.size();
-    if (ok && n > 1) {
-      cp = c & (0x7F >> n);
-      for (size_t k = 1; k < n && ok; ++k) {
-        unsigned char cc = static_cast<unsigned char>(s[i + k]);
-        ok = (cc & 0xC0) == 0x80;
-        cp = (cp << 6) | (cc & 0x3F);
-      }
-    }
-    if (!ok) {
-      out += static_cast<char16_t>(0xFFFD);
-      ++i;
-      continue;
-    }
+  for (size_t i = 0; i < s.size();) {
+    uint32_t cp;
+    i += next_utf8(s, i, &cp);
     if (cp >= 0x10000) {
       cp -= 0x10000;
       out += static_cast<char16_t>(0xD800 + (cp >> 10));
@@ -43,7 +27,6 @@ std::u16string utf8_to_utf16(const std::string& s) {
     } else {
       out += static_cast<char16_t>(cp);
     }
-    i += n;
   }
   return out;
 }

@@ -23,6 +23,26 @@ void append_utf8(std::string& out, uint32_t cp) {
   }
 }
 
+size_t next_utf8(const std::string& s, size_t i, uint32_t* cp) {
+  const unsigned char c = static_cast<unsigned char>(s[i]);
+  const size_t n = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+  if (n == 0 || i + n > s.size()) {
+    *cp = 0xFFFD;
+    return 1;
+  }
+  uint32_t v = n == 1 ? c : c & (0x7F >> n);
+  for (size_t k = 1; k < n; ++k) {
+    const unsigned char cc = static_cast<unsigned char>(s[i + k]);
+    if ((cc & 0xC0) != 0x80) {
+      *cp = 0xFFFD;
+      return 1;
+    }
+    v = (v << 6) | (cc & 0x3F);
+  }
+  *cp = v;
+  return n;
+}
+
 class JsonParser {
  public:
   explicit JsonParser(const std::string& s) : s_(s) {}

@@ -51,4 +51,8 @@ class Json {
 // Appends the UTF-8 encoding of code point cp.
 void append_utf8(std::string& out, uint32_t cp);
 
+// Decodes the code point starting at byte i of s into *cp and returns its byte length; an invalid
+// byte (bad lead byte, truncated or broken sequence) decodes as U+FFFD with length 1.
+size_t next_utf8(const std::string& s, size_t i, uint32_t* cp);
+
 }  // namespace pagedkv_rt

@@ -48,25 +48,9 @@ struct Cp {
 std::vector<Cp> decode_utf8(const std::string& s) {
   std::vector<Cp> out;
   out.reserve(s.size());
-  size_t i = 0;
-  while (i < s.size()) {
-    unsigned char c = static_cast<unsigned char>(s[i]);
-    size_t n = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
-    uint32_t cp = c;
-    bool ok = n > 0 && i + n <= s.size();
-    if (ok && n > 1) {
-      cp = c & (0x7F >> n);
-      for (size_t k = 1; k < n; ++k) {
-        unsigned char cc = static_cast<unsigned char>(s[i + k]);
-        if ((cc & 0xC0) != 0x80) { ok = false; break; }
-        cp = (cp << 6) | (cc & 0x3F);
-      }
-    }
-    if (!ok) {  // invalid byte: one "other" code point
-      out.push_back({0xFFFD, i, 1});
-      ++i;
-      continue;
-    }
+  for (size_t i = 0; i < s.size();) {  // an invalid byte is one "other" code point (U+FFFD)
+    uint32_t cp;
+    const size_t n = next_utf8(s, i, &cp);
     out.push_back({cp, i, n});
     i += n;
   }
