@@ -16,7 +16,7 @@
 //   float max_n(const float* x, int n);       // max of x[0..n), n >= 1
 //   void q_prepare(const float* q, int G, int D, int k_bits, int k_group, float* out);
 //        // the G query rows in the form q_scores reads (lane order, or int8 limbs: see
-//        // split_q_limbs); out has room for 2 * G * D floats
+//        // split_q_limbs, VnniQ); out has room for 4 * G * D floats
 // Optional: kPairBlocks = true when q_scores / v_accum read records through QuantRun::rec, so that a
 // run may span two blocks of <= 16 tokens (half the per-run overhead).
 // Optional row-wise softmax helpers (all G rows of sc at once, fewer horizontal reductions):
@@ -103,7 +103,7 @@ struct Attend {
   float* mx;      // [G]
   float* l;       // [G]
   float* qsum;    // [G, D / k_group] sums of q per K group (fast path, asymmetric K)
-  float* qk;      // [2 * G * D] q as Ops::q_prepare wrote it (fast path)
+  float* qk;      // [4 * G * D] q as Ops::q_prepare wrote it (fast path)
   float* metaf;   // [ld * Ws] (fast path)
   float* rowm;    // [G] block maxima, then the new running maxima (row ops)
   float* rows;    // [G] row sums (row ops)
@@ -130,7 +130,7 @@ struct Attend {
     mx = s; s += G;
     l = s; s += G;
     qsum = s; s += (size_t)G * 32;
-    qk = s; s += 2 * (size_t)G * D;
+    qk = s; s += 4 * (size_t)G * D;
     rowm = s; s += G;
     rows = s; s += G;
     metaf = s;

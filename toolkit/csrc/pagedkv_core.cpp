@@ -261,6 +261,12 @@ bool isa_available(Isa isa) {
 #else
       return false;
 #endif
+    case Isa::kAvx512Vnni:
+#if defined(PAGEDKV_HAVE_AVX512)
+      return isa_available(Isa::kAvx512) && __builtin_cpu_supports("avx512vnni");
+#else
+      return false;
+#endif
     case Isa::kNeon:
 #if defined(PAGEDKV_HAVE_NEON)
       return true;
@@ -283,6 +289,7 @@ const char* isa_name(Isa isa) {
     case Isa::kScalar: return "scalar";
     case Isa::kAvx2: return "avx2";
     case Isa::kAvx512: return "avx512";
+    case Isa::kAvx512Vnni: return "avx512-vnni";
     case Isa::kNeon: return "neon";
     case Isa::kNeonDot: return "neon-dotprod";
   }
@@ -292,10 +299,10 @@ const char* isa_name(Isa isa) {
 static Isa best_isa() {
   const char* env = std::getenv("PAGEDKV_ISA");
   if (env) {
-    for (Isa i : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kNeonDot})
+    for (Isa i : kAllIsas)
       if (std::strcmp(env, isa_name(i)) == 0 && isa_available(i)) return i;
   }
-  for (Isa i : {Isa::kNeonDot, Isa::kNeon, Isa::kAvx512, Isa::kAvx2})
+  for (Isa i : {Isa::kNeonDot, Isa::kNeon, Isa::kAvx512Vnni, Isa::kAvx512, Isa::kAvx2})
     if (isa_available(i)) return i;
   return Isa::kScalar;
 }
@@ -324,6 +331,7 @@ static AttendFn attend_fn(Isa isa) {
 #endif
 #if defined(PAGEDKV_HAVE_AVX512)
     case Isa::kAvx512: return attend_avx512;
+    case Isa::kAvx512Vnni: return attend_avx512_vnni;
 #endif
 #if defined(PAGEDKV_HAVE_NEON)
     case Isa::kNeon: return attend_neon;
@@ -459,7 +467,10 @@ bool all_finite(const float* x, int n) {
   return true;
 }
 
-constexpr int64_t kSplitBlocks = 16;  // split-K: about this many blocks per part
+// Split-K: enough (token, KV head, part) items to keep ~8 threads busy, parts of at least 16 blocks
+// (each part repeats the per-item set-up: the prepared query, the state, the merge).
+constexpr int64_t kSplitItems = 32;
+constexpr int64_t kSplitMinBlocks = 16;
 // Waking the pool's threads costs tens of microseconds: a call whose attention work (visible keys x
 // KV heads x (query heads per KV head + 1) x head_dim) is below this runs on the calling thread
 // (measured on the 2-core dev VM: 2 threads were slower up to ~1K cached tokens at SmolLM2 dims).
@@ -679,17 +690,15 @@ int paged_attention(const PagedAttnParams& P, const PagedAttnBuffers& B, char* e
   // that several threads share one long sequence; the parts are merged afterwards. The split depends
   // only on the shapes (never on the thread count), so results do not change with the threads.
   int split = 1;
-  if (T * Hkv < 32) {
+  if (T * Hkv < kSplitItems) {
     int64_t max_blocks = 0;
     for (int t = 0; t < T; ++t) {
       const int64_t p = B.positions[t];
       const int64_t lo = P.window > 0 ? std::max<int64_t>(0, p - P.window + 1) : 0;
       max_blocks = std::max(max_blocks, p / bs - lo / bs + 1);
     }
-    if (max_blocks >= 8) {
-      const int64_t parts = (max_blocks + kSplitBlocks - 1) / kSplitBlocks;
-      split = (int)std::min<int64_t>(std::min<int64_t>((parts + 3) / 4 * 4, max_blocks / 2), 1024);
-    }
+    const int64_t want = (kSplitItems + T * Hkv - 1) / (T * Hkv);
+    split = (int)std::max<int64_t>(1, std::min<int64_t>(want, max_blocks / kSplitMinBlocks));
   }
   ctx.split = split;
   if (split > 1) {

@@ -69,7 +69,9 @@ int paged_attention(const PagedAttnParams& p, const PagedAttnBuffers& b, char* e
 void record_widths(const PagedAttnParams& p, int* code_width, int* scale_width);
 
 // ---- code paths and threads ------------------------------------------------------------------
-enum class Isa : int { kAuto = 0, kScalar = 1, kAvx2 = 2, kNeon = 3, kNeonDot = 4, kAvx512 = 5 };
+enum class Isa : int { kAuto = 0, kScalar = 1, kAvx2 = 2, kNeon = 3, kNeonDot = 4, kAvx512 = 5, kAvx512Vnni = 6 };
+// Every code path (isa_available says which this build and CPU have).
+inline constexpr Isa kAllIsas[] = {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Vnni, Isa::kNeon, Isa::kNeonDot};
 // Selects the attention code path (kAuto: best available). Returns false if not available here.
 bool set_isa(Isa isa);
 Isa active_isa();

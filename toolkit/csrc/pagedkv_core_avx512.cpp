@@ -12,6 +12,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "pagedkv_attn_impl.h"
@@ -163,6 +165,177 @@ void scores_tile(const QuantRun& r, const float* q, const float* qsum, float sca
       _mm512_mask_storeu_ps(sc + (size_t)g * ldsc + i0, first_n(cnt), s);
     }
   }
+}
+
+// ---- K scores with AVX-512 VNNI (8-bit K codes, K groups of a multiple of 64 dims) ----------------
+// q is split per (head, K group) into three int8 limbs exactly as the NEON sdot path does (Q = q / s_q
+// rounded, |Q| <= 127 * 65536, Q = 65536 a + 256 b + c). vpdpbusd multiplies the raw u8 codes with the
+// signed limbs; sym K subtracts 128 * sum(limb) from each limb's integer dot, so A, B, C are the exact
+// dots with the centred codes. Keys enter 4 at a time: the 64-byte code rows of 4 keys are transposed
+// by dwords inside each 128-bit lane, so that lane position 4L + k holds 4 dims of key k, and the q
+// limbs are stored pre-arranged to match (VnniQ). After a group's rows, one int32 vector per (head,
+// limb) and 4 keys holds per key 4 partial sums (one per 128-bit lane); the vectors of 16 keys are
+// reduced across lanes at once (no horizontal sums per key).
+
+// The prepared query in Attend's qk scratch (q_prepare; floats of room: 4 * G * D):
+//   pat  int8  [G][D / 64][3 limbs][4 m][64]  position 4L + k of (row j, m): limb bytes of dims
+//                                             64 j + 16 L + 4 m .. + 3 (the same for every k)
+//   off  int32 [G][ngk][3]                    128 * sum of the limb over the group (sym offset)
+//   sq   float [G][ngk]                       s_q (NaN when the group of q is not finite)
+struct VnniQ {
+  const int8_t* pat;
+  const int32_t* off;
+  const float* sq;
+  VnniQ(const float* base, int G, int D, int ngk) {
+    pat = reinterpret_cast<const int8_t*>(base);
+    off = reinterpret_cast<const int32_t*>(base + (size_t)3 * G * D);
+    sq = base + (size_t)3 * G * D + (size_t)3 * G * ngk;
+  }
+};
+
+// groups of 64 or 128 dims keep the int32 sums below 2^30 (see scores_vnni)
+inline bool vnni_scores_apply(int k_bits, int k_group) { return k_bits == 8 && (k_group == 64 || k_group == 128); }
+
+// q rows -> VnniQ (see above) at out. Runs once per attention call and split part, so vectorized:
+// Q = round-to-nearest-even(q * 2^-e) in double (exact scaling, as lrint(ldexp(q, -e)) in the NEON path).
+inline void vnni_q_prepare(const float* q, int G, int D, int k_group, float* out) {
+  const int ngk = D / k_group, nrow = D / 64;
+  int8_t* pat = reinterpret_cast<int8_t*>(out);
+  int32_t* off = reinterpret_cast<int32_t*>(out + (size_t)3 * G * D);
+  float* sq = out + (size_t)3 * G * D + (size_t)3 * G * ngk;
+  __m512i perm[4];  // position 4 L + k <- dword 4 L + m
+  for (int m = 0; m < 4; ++m)
+    perm[m] = _mm512_add_epi32(_mm512_set1_epi32(m), _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
+  const __m512i k128 = _mm512_set1_epi32(128), k255 = _mm512_set1_epi32(255);
+  alignas(64) int8_t limb[3][64];
+  for (int g = 0; g < G; ++g)
+    for (int gi = 0; gi < ngk; ++gi) {
+      const float* qg = q + (size_t)g * D + (size_t)gi * k_group;
+      __m512 mx = _mm512_setzero_ps();
+      __mmask16 bad = 0;  // NaN or infinity
+      for (int j = 0; j < k_group; j += 16) {
+        const __m512 v = _mm512_loadu_ps(qg + j);
+        bad |= _mm512_fpclass_ps_mask(v, 0x01 | 0x08 | 0x10 | 0x80);
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+      }
+      const float m = _mm512_reduce_max_ps(mx);
+      int e = 0;
+      if (!bad && m > 0.f) {
+        int E;
+        std::frexp(m, &E);  // m = f * 2^E, f in [0.5, 1)
+        e = E - 23;        // m / 2^e in [2^22, 2^23)
+        if (std::ldexp(m, -e) > 127.f * 65536.f) ++e;
+        e = std::max(e, -149);
+      }
+      sq[g * ngk + gi] = bad ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.f, e);
+      const __m512d inv = _mm512_set1_pd(std::ldexp(1.0, -e));
+      __m512i sums[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+      for (int j0 = 0; j0 < k_group; j0 += 64) {
+        for (int c16 = 0; c16 < 4; ++c16) {
+          const __m512 v = _mm512_loadu_ps(qg + j0 + 16 * c16);
+          const __m256i lo = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v)), inv));
+          const __m256i hi = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)), inv));
+          __m512i Q = bad ? _mm512_setzero_si512() : _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+          // balanced base-256 digits: c, b in [-128, 127], a in [-127, 127]
+          const __m512i c = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(Q, k128), k255), k128);
+          const __m512i Q1 = _mm512_srai_epi32(_mm512_sub_epi32(Q, c), 8);
+          const __m512i b = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(Q1, k128), k255), k128);
+          const __m512i a = _mm512_srai_epi32(_mm512_sub_epi32(Q1, b), 8);
+          const __m512i d[3] = {a, b, c};
+          for (int l = 0; l < 3; ++l) {
+            _mm_store_si128(reinterpret_cast<__m128i*>(limb[l] + 16 * c16), _mm512_cvtepi32_epi8(d[l]));
+            sums[l] = _mm512_add_epi32(sums[l], d[l]);
+          }
+        }
+        const int row = (gi * k_group + j0) / 64;
+        for (int l = 0; l < 3; ++l) {
+          const __m512i lv = _mm512_load_si512(limb[l]);
+          int8_t* dst = pat + (((size_t)g * nrow + row) * 3 + l) * 256;
+          for (int m = 0; m < 4; ++m) _mm512_storeu_si512(dst + 64 * m, _mm512_permutexvar_epi32(perm[m], lv));
+        }
+      }
+      for (int l = 0; l < 3; ++l) off[(g * ngk + gi) * 3 + l] = 128 * _mm512_reduce_add_epi32(sums[l]);
+    }
+}
+
+// v0..v3: per 128-bit lane L and position k the partial sums of key k of 4-key group v_i -> lane 4 i + k
+// = the sum over the four lanes (int32, exact)
+__attribute__((target("avx512f,avx512vnni"))) inline __m512i cross_lanes(__m512i v0, __m512i v1, __m512i v2, __m512i v3) {
+  const __m512i c01 = _mm512_add_epi32(_mm512_shuffle_i32x4(v0, v1, 0x44), _mm512_shuffle_i32x4(v0, v1, 0xee));
+  const __m512i c23 = _mm512_add_epi32(_mm512_shuffle_i32x4(v2, v3, 0x44), _mm512_shuffle_i32x4(v2, v3, 0xee));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(c01, c23, 0x88), _mm512_shuffle_i32x4(c01, c23, 0xdd));
+}
+
+// scores of the run's keys for GN <= 4 heads g0.. (see above); tvi: scratch int32 [GN][2][8][16]
+// Per 4-key group, head and 64-dim row: A, B, C accumulate over the row in separate registers (short
+// dependency chains), then 256 A + B is formed in int32 (exact: |A|, |B| <= 16 * 255 * 128 per lane and
+// row, so with groups of <= 128 dims even the sum over the four lanes stays below 2^30).
+template <bool SYM, int GN>
+__attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r, const VnniQ& vq, int g0, const float* qsum,
+                                                          float scale, float* sc, int ldsc, int32_t* tvi) {
+  const int D = r.D, kg = r.k_group, ngk = D / kg, nrow = D / 64, n = r.n, nq = (n + 3) / 4;
+  alignas(64) float tot[GN][32];
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32((int)r.Ws));
+  for (int gi = 0; gi < ngk; ++gi) {
+    for (int kq = 0; kq < nq; ++kq) {
+      const uint8_t* cp[4];
+      for (int k = 0; k < 4; ++k) cp[k] = r.rec(std::min(4 * kq + k, n - 1));  // pad with the last key
+      __m512i ab[GN], cc[GN];
+      for (int g = 0; g < GN; ++g) ab[g] = cc[g] = _mm512_setzero_si512();
+      for (int row = gi * kg / 64; row < (gi + 1) * kg / 64; ++row) {
+        const __m512i r0 = _mm512_loadu_si512(cp[0] + 64 * row), r1 = _mm512_loadu_si512(cp[1] + 64 * row);
+        const __m512i r2 = _mm512_loadu_si512(cp[2] + 64 * row), r3 = _mm512_loadu_si512(cp[3] + 64 * row);
+        const __m512i a0 = _mm512_unpacklo_epi32(r0, r1), a1 = _mm512_unpackhi_epi32(r0, r1);
+        const __m512i a2 = _mm512_unpacklo_epi32(r2, r3), a3 = _mm512_unpackhi_epi32(r2, r3);
+        const __m512i t[4] = {_mm512_unpacklo_epi64(a0, a2), _mm512_unpackhi_epi64(a0, a2),
+                              _mm512_unpacklo_epi64(a1, a3), _mm512_unpackhi_epi64(a1, a3)};
+        for (int g = 0; g < GN; ++g) {
+          const int8_t* p = vq.pat + ((size_t)(g0 + g) * nrow + row) * 3 * 256;
+          __m512i A = _mm512_setzero_si512(), B = _mm512_setzero_si512();
+          for (int mm = 0; mm < 4; ++mm) {
+            A = _mm512_dpbusd_epi32(A, t[mm], _mm512_loadu_si512(p + mm * 64));
+            B = _mm512_dpbusd_epi32(B, t[mm], _mm512_loadu_si512(p + 256 + mm * 64));
+            cc[g] = _mm512_dpbusd_epi32(cc[g], t[mm], _mm512_loadu_si512(p + 512 + mm * 64));
+          }
+          ab[g] = _mm512_add_epi32(ab[g], _mm512_add_epi32(_mm512_slli_epi32(A, 8), B));
+        }
+      }
+      for (int g = 0; g < GN; ++g) {
+        _mm512_store_si512(tvi + ((g * 2 + 0) * 8 + kq) * 16, ab[g]);
+        _mm512_store_si512(tvi + ((g * 2 + 1) * 8 + kq) * 16, cc[g]);
+      }
+    }
+    for (int i0 = 0; i0 < n; i0 += 16) {
+      const int q0 = i0 / 4, cnt = std::min(16, n - i0);
+      const __mmask16 live = first_n(cnt);
+      const float* m0 = r.metaf + (size_t)i0 * r.Ws;
+      const __m512 ks = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, rows, m0 + gi, 4);
+      __m512 zk = _mm512_setzero_ps();  // asym: z_k + 128 s_k multiplies sum(q) (the codes enter centred)
+      if (!SYM) zk = _mm512_fmadd_ps(ks, _mm512_set1_ps(128.f), _mm512_mask_i32gather_ps(zk, live, rows, m0 + ngk + gi, 4));
+      for (int g = 0; g < GN; ++g) {
+        const int32_t* off = vq.off + ((g0 + g) * ngk + gi) * 3;
+        __m512i s[2];
+        for (int v = 0; v < 2; ++v) {
+          const int32_t* b = tvi + ((g * 2 + v) * 8 + q0) * 16;
+          auto vec = [&](int k) { return q0 + k < nq ? _mm512_load_si512(b + 16 * k) : _mm512_setzero_si512(); };
+          s[v] = cross_lanes(vec(0), vec(1), vec(2), vec(3));
+        }
+        // the centred dots: 256 A + B and C (exact integers), then 256 (256 A + B) + C in float
+        s[0] = _mm512_sub_epi32(s[0], _mm512_set1_epi32(256 * off[0] + off[1]));
+        s[1] = _mm512_sub_epi32(s[1], _mm512_set1_epi32(off[2]));
+        const __m512 dq = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0]), _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(s[1]));
+        __m512 v = _mm512_mul_ps(_mm512_mul_ps(dq, _mm512_set1_ps(vq.sq[(g0 + g) * ngk + gi])), ks);
+        if (!SYM) v = _mm512_fmadd_ps(zk, _mm512_set1_ps(qsum[(size_t)(g0 + g) * ngk + gi]), v);
+        float* tg = tot[g] + i0;
+        _mm512_store_ps(tg, gi ? _mm512_add_ps(_mm512_load_ps(tg), v) : v);
+      }
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int i0 = 0; i0 < n; i0 += 16)
+      _mm512_mask_storeu_ps(sc + (size_t)(g0 + g) * ldsc + i0, first_n(n - i0),
+                            _mm512_mul_ps(_mm512_load_ps(tot[g] + i0), _mm512_set1_ps(scale)));
 }
 
 // ---- V accumulation ----------------------------------------------------------------------------
@@ -366,14 +539,27 @@ inline void f16_to_f32_n(const uint16_t* h, float* out, size_t n) {
   for (; i < n; ++i) out[i] = h2f(h[i]);
 }
 
+// VNNI: 8-bit K in groups of 64 or 128 dims takes the vpdpbusd scores above (the avx512-vnni code path)
+template <bool VNNI>
 struct Avx512Ops {
   static constexpr bool kFastQuant = true;
   static constexpr bool kPairBlocks = true;  // runs of two blocks (QuantRun::rec)
+
+  static bool use_vnni(int k_bits, int k_group) { return VNNI && vnni_scores_apply(k_bits, k_group); }
 
   static void q_scores(const QuantRun& r, const float* q, const float* qsum, int G, float scale, float* sc, int ldsc) {
     // the run's fp16 scales/zeros as float32, both segments back to back (v_accum reuses them)
     f16_to_f32_n(r.meta, r.metaf, (size_t)r.n_first * r.Ws);
     if (r.n > r.n_first) f16_to_f32_n(r.meta2, r.metaf + (size_t)r.n_first * r.Ws, (size_t)(r.n - r.n_first) * r.Ws);
+    if (use_vnni(r.k_bits, r.k_group)) {
+      const VnniQ vq(q, G, r.D, r.D / r.k_group);
+      alignas(64) int32_t tvi[4 * 2 * 8 * 16];
+      impl::for_head_tiles(G, [&](auto gn, int g0) {
+        r.k_sym ? scores_vnni<true, decltype(gn)::value>(r, vq, g0, qsum, scale, sc, ldsc, tvi)
+                : scores_vnni<false, decltype(gn)::value>(r, vq, g0, qsum, scale, sc, ldsc, tvi);
+      });
+      return;
+    }
     alignas(64) float tv[4 * 32 * 16];
     if (r.k_bits == 8) {
       r.k_sym ? scores_by_group<8, true>(r, q, qsum, G, scale, sc, ldsc, tv)
@@ -394,8 +580,13 @@ struct Avx512Ops {
     }
   }
 
-  // q rows in the lane order q_scores reads (4-bit K: per 16 dims, the 8 even dims then the 8 odd)
+  // q rows in the form q_scores reads: VnniQ, or the lane order of the fp32 scores (4-bit K: per 16
+  // dims, the 8 even dims then the 8 odd)
   static void q_prepare(const float* q, int G, int D, int k_bits, int k_group, float* out) {
+    if (use_vnni(k_bits, k_group)) {
+      vnni_q_prepare(q, G, D, k_group, out);
+      return;
+    }
     const __m512i idx = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     for (int j = 0; j < G * D; j += 16) {
       __m512 a = _mm512_loadu_ps(q + j);
@@ -511,7 +702,12 @@ struct Avx512Ops {
 }  // namespace
 
 void attend_avx512(const AttnContext& c, int t, int h, float* scratch) {
-  impl::Attend<Avx512Ops> a(c, scratch);
+  impl::Attend<Avx512Ops<false>> a(c, scratch);
+  a(t, h);
+}
+
+void attend_avx512_vnni(const AttnContext& c, int t, int h, float* scratch) {
+  impl::Attend<Avx512Ops<true>> a(c, scratch);
   a(t, h);
 }
 

@@ -20,9 +20,8 @@
 using namespace pagedkv;
 
 int main(int argc, char** argv) {
-  const Isa all[] = {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kNeonDot};
   if (argc > 1 && std::strcmp(argv[1], "--paths") == 0) {
-    for (Isa isa : all)
+    for (Isa isa : kAllIsas)
       if (isa_available(isa)) std::printf("%s\n", isa_name(isa));
     return 0;
   }
@@ -66,7 +65,7 @@ int main(int argc, char** argv) {
   const int64_t bytes = Hkv * ((keys - fp16) * (p.code_width + 2 * (int64_t)p.scale_width) + fp16 * 2 * 2 * D);
   set_num_threads(threads);
   std::vector<float> ref;
-  for (Isa isa : all) {
+  for (Isa isa : kAllIsas) {
     if (!isa_available(isa) || (only ? std::strcmp(only, isa_name(isa)) != 0 : isa == Isa::kScalar && ctx > 4096))
       continue;
     set_isa(isa);

@@ -288,8 +288,8 @@ static void test_attention_vs_naive() {
 // the SIMD code paths of this CPU
 static std::vector<Isa> simd_paths() {
   std::vector<Isa> paths;
-  for (Isa i : {Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kNeonDot})
-    if (isa_available(i)) paths.push_back(i);
+  for (Isa i : kAllIsas)
+    if (i != Isa::kScalar && isa_available(i)) paths.push_back(i);
   return paths;
 }
 

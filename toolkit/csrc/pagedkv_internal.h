@@ -36,7 +36,7 @@ inline int run_capacity(int block_size) { return block_size <= 16 ? 2 * block_si
 inline size_t attn_scratch_floats(const AttnContext& c) {
   const size_t D = (size_t)c.p->D, bs = (size_t)run_capacity(c.p->block_size), G = (size_t)c.G;
   return 2 * D + 2 * D /*unpacked codes*/ + G * bs + G * D + 2 * G + 64 + G * 32 /*q sums per K group*/ +
-         2 * G * D /*prepared q*/ + 2 * G /*row ops*/ + bs * (size_t)c.p->scale_width + 8 /*float meta of a run*/;
+         4 * G * D /*prepared q*/ + 2 * G /*row ops*/ + bs * (size_t)c.p->scale_width + 8 /*float meta of a run*/;
 }
 
 // Attention for token t and KV head h: all G query heads of that KV head, written to out.
@@ -48,6 +48,7 @@ void attend_avx2(const AttnContext& c, int t, int h, float* scratch);
 #endif
 #if defined(PAGEDKV_HAVE_AVX512)
 void attend_avx512(const AttnContext& c, int t, int h, float* scratch);
+void attend_avx512_vnni(const AttnContext& c, int t, int h, float* scratch);
 #endif
 #if defined(PAGEDKV_HAVE_NEON)
 void attend_neon(const AttnContext& c, int t, int h, float* scratch);

@@ -358,7 +358,7 @@ Runner::Runner(const RunnerConfig& cfg) : impl_(new Impl) {
   }
   if (!cfg.isa.empty()) {
     pagedkv::Isa want = pagedkv::Isa::kAuto;
-    for (auto i : {pagedkv::Isa::kScalar, pagedkv::Isa::kAvx2, pagedkv::Isa::kNeon, pagedkv::Isa::kNeonDot})
+    for (pagedkv::Isa i : pagedkv::kAllIsas)
       if (cfg.isa == pagedkv::isa_name(i)) want = i;
     if (want == pagedkv::Isa::kAuto || !pagedkv::set_isa(want))
       throw RunnerError(ErrorCode::kArgument, "kernel code path '" + cfg.isa + "' is not available on this CPU");
