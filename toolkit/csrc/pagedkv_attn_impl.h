@@ -17,8 +17,9 @@
 //   void q_prepare(const float* q, int G, int D, int k_bits, int k_group, float* out);
 //        // the G query rows in the form q_scores reads (lane order, or int8 limbs: see
 //        // split_q_limbs, VnniQ); out has room for 4 * G * D floats
-// Optional: kPairBlocks = true when q_scores / v_accum read records through QuantRun::rec, so that a
-// run may span two blocks of <= 16 tokens (half the per-run overhead).
+// Optional: kRunKeys (<= kMaxRunKeys) when q_scores / v_accum read records through QuantRun::rec and
+// convert the scales of every segment: consecutive quantized blocks are then grouped into runs of up
+// to kRunKeys keys (fewer, longer runs: less per-run overhead).
 // Optional row-wise softmax helpers (all G rows of sc at once, fewer horizontal reductions):
 //   void row_max(const float* sc, int ldsc, int G, int n, float* out);           // out[g] = max row g
 //   void row_exp(float* sc, int ldsc, int G, int n, const float* m, float* sum);  // exp_sub per row
@@ -41,8 +42,8 @@ namespace impl {
 
 enum class Src { kQuant, kF16, kF32 };
 
-// n quantized records of one KV head: consecutive records of one block, or (Ops with kPairBlocks)
-// the records of two blocks, n_first in the first one and the rest at codes2 / meta2.
+// n quantized records of one KV head: consecutive records of one block, or (Ops with kRunKeys) the
+// records of up to kMaxRunBlocks blocks, one segment per block.
 struct QuantRun {
   const uint8_t* codes;   // first record's codes (stride W)
   const uint16_t* meta;   // first record's fp16 scales (stride Ws)
@@ -52,10 +53,11 @@ struct QuantRun {
   bool k_sym, v_sym;
   int kcb, ksc;           // V codes / V meta start inside a record
   float* metaf;           // scratch for the n * Ws scales/zeros as float32 (filled by q_scores)
-  int n_first;            // records in the first segment (== n for one block)
-  const uint8_t* codes2;  // the second segment (n - n_first records), or null
-  const uint16_t* meta2;
-  const uint8_t* rec(int i) const { return i < n_first ? codes + (size_t)i * W : codes2 + (size_t)(i - n_first) * W; }
+  int nseg;               // segments (1 for one block)
+  const uint16_t* const* seg_meta;  // [nseg] fp16 scales of each segment's first record
+  const int* seg_n;       // [nseg] records per segment
+  const uint8_t* const* recs;  // [n] codes of each record
+  const uint8_t* rec(int i) const { return recs[i]; }
 };
 
 // Calls f(std::integral_constant<int, GN>(), g0) for the tiles g0 = 0, 4, 8, .. of the G query heads of
@@ -79,9 +81,9 @@ template <class T>
 struct HasRowOps<T, std::void_t<decltype(&T::row_max), decltype(&T::row_exp)>> : std::true_type {};
 
 template <class T, class = void>
-struct HasPairBlocks : std::false_type {};
+struct RunKeys : std::integral_constant<int, 0> {};
 template <class T>
-struct HasPairBlocks<T, std::void_t<decltype(T::kPairBlocks)>> : std::integral_constant<bool, T::kPairBlocks> {};
+struct RunKeys<T, std::void_t<decltype(T::kRunKeys)>> : std::integral_constant<int, T::kRunKeys> {};
 
 template <class T, class = void>
 struct HasFastQuant : std::false_type {};
@@ -111,12 +113,15 @@ struct Attend {
   bool fast;      // quantized blocks go through Ops' fused path
 
   static constexpr bool kHasFast = HasFastQuant<Ops>::value;
-  // Ops that take runs of two blocks (QuantRun::rec): with blocks of <= 16 tokens, two consecutive
-  // quantized blocks go through one q_scores / softmax / v_accum (half the per-run overhead)
-  static constexpr bool kPairs = HasPairBlocks<Ops>::value;
-  const uint8_t* pend_codes = nullptr;  // a quantized block waiting for its pair
-  const uint16_t* pend_meta = nullptr;
-  int pend_n = 0;
+  // Ops that take runs of several blocks (QuantRun::rec): consecutive quantized blocks are grouped
+  // into runs of up to kRunKeys keys, each one q_scores / softmax / v_accum
+  static constexpr int kRunKeys = RunKeys<Ops>::value;
+  static_assert(kRunKeys <= kMaxRunKeys, "kRunKeys above kMaxRunKeys");
+  const uint8_t* pend_codes[kMaxRunBlocks];  // quantized blocks waiting for their run
+  const uint16_t* pend_meta[kMaxRunBlocks];
+  int pend_n[kMaxRunBlocks];
+  int pend = 0, pend_keys = 0;
+  const uint8_t* recs[kMaxRunKeys];  // the record pointers of a run (QuantRun::recs)
 
   Attend(const AttnContext& ctx, float* scratch)
       : c(ctx), P(*ctx.p), B(*ctx.b), D(ctx.p->D), G(ctx.G), bs(ctx.p->block_size) {
@@ -233,34 +238,31 @@ struct Attend {
     mx[g] = mnew;
   }
 
-  // fused path: n quantized records (+ n2 more of another block)
-  void run_quant(const uint8_t* codes, const uint16_t* meta, int n, const uint8_t* codes2 = nullptr,
-                 const uint16_t* meta2 = nullptr, int n2 = 0) {
+  // fused path: the nseg pending quantized blocks as one run
+  void run_quant(int nseg) {
     if constexpr (kHasFast) {
-      QuantRun r{codes, meta, (size_t)P.code_width, (size_t)P.scale_width, n + n2, D, P.k_bits, c.k_group,
-                 P.v_bits, c.v_group, P.k_sym, P.v_sym, c.kcb, c.ksc, metaf, n, codes2, meta2};
+      const size_t W = (size_t)P.code_width;
+      int n = 0;
+      for (int s = 0; s < nseg; ++s)
+        for (int i = 0; i < pend_n[s]; ++i) recs[n++] = pend_codes[s] + (size_t)i * W;
+      QuantRun r{pend_codes[0], pend_meta[0], W, (size_t)P.scale_width, n, D, P.k_bits, c.k_group, P.v_bits,
+                 c.v_group, P.k_sym, P.v_sym, c.kcb, c.ksc, metaf, nseg, pend_meta, pend_n, recs};
       Ops::q_scores(r, qk, qsum, G, P.scale, sc, ld);
-      softmax(n + n2);
+      softmax(n);
       Ops::v_accum(r, sc, ld, G, acc);
     }
   }
 
-  // a quantized block for the fused path: run now, or pair it with the next one
+  // a quantized block for the fused path: run now, or add it to the pending run
   void quant_block(const uint8_t* codes, const uint16_t* meta, int n) {
-    if (kPairs && bs <= 16) {
-      if (!pend_n) {
-        pend_codes = codes, pend_meta = meta, pend_n = n;
-        return;
-      }
-      run_quant(pend_codes, pend_meta, pend_n, codes, meta, n);
-      pend_n = 0;
-      return;
-    }
-    run_quant(codes, meta, n);
+    if (kRunKeys > 0 && pend_keys + n > kRunKeys) flush_pending();
+    pend_codes[pend] = codes, pend_meta[pend] = meta, pend_n[pend] = n;
+    ++pend, pend_keys += n;
+    if (kRunKeys == 0 || pend_keys + bs > kRunKeys || pend == kMaxRunBlocks) flush_pending();
   }
   void flush_pending() {
-    if (pend_n) run_quant(pend_codes, pend_meta, pend_n);
-    pend_n = 0;
+    if (pend) run_quant(pend);
+    pend = pend_keys = 0;
   }
 
   const float* f16row(const uint16_t* h, float* dst) {

@@ -1,9 +1,11 @@
-// AVX-512 attention path (compiled with -mavx512f/bw/vl/dq + AVX2/FMA/F16C; the caller checks the CPU
-// before selecting it). Same structure as the AVX2 path, 16 lanes wide, on runs of up to 32 keys (two
-// blocks of 16 tokens: kPairBlocks):
+// AVX-512 attention paths (compiled with -mavx512f/bw/vl/dq + AVX2/FMA/F16C; the caller checks the CPU
+// before selecting one): avx512, and avx512-vnni, which differs only in the K scores of 8-bit K codes
+// (vpdpbusd, compiled for VNNI function by function). Same structure as the AVX2 path, 16 lanes wide, on
+// runs of up to 64 keys (four blocks of 16 tokens: kRunKeys):
 //   K scores: per key, the group dot products of all query heads from one load of the key's codes
 //     (q rows stay in L1); the vectors of 16 keys x 1 head are reduced at once by a transpose-add tree
 //     (about 3 shuffles/adds per score instead of a full horizontal sum each), then scaled per key.
+//     VNNI: integer dot products of 4 keys at a time with q in three int8 limbs (scores_vnni).
 //   softmax: the row maxima and sums of all heads through one transpose-reduce per 4 heads.
 //   V: the accumulators of 64 dims x all heads live in registers while the run's keys stream by; 4-bit
 //     codes are split into their nibbles without interleaving (evens/odds lane order, undone once per
@@ -24,6 +26,8 @@ namespace {
 using impl::QuantRun;
 
 inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+constexpr int kRK = kMaxRunKeys;  // keys per run (Ops::kRunKeys): four blocks of 16 tokens
+
 inline __mmask16 first_n(int n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u); }
 
 // ---- K scores ------------------------------------------------------------------------------------
@@ -73,7 +77,7 @@ inline __m128 hsum4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
   return _mm512_castps512_ps128(_mm512_add_ps(d, _mm512_shuffle_f32x4(d, d, 0xb1)));
 }
 
-// Scores of the run's keys for GN <= 4 query heads. tv: scratch [GN][32][16] (64-byte aligned).
+// Scores of the run's keys for GN <= 4 query heads. tv: scratch [GN][kRK][16] (64-byte aligned).
 // score = scale * sum_groups s_k * dot(q, u - c)              (sym, c = 2^(b-1))
 //       = scale * sum_groups (s_k * dot(q, u) + z_k * sum(q))   (asym)
 // Per key and head the group sums stay in one vector; the vectors of 16 keys are reduced together by
@@ -115,8 +119,8 @@ void scores_tile(const QuantRun& r, const float* q, const float* qsum, float sca
         }
       }
       for (int g = 0; g < GN; ++g) {
-        _mm512_store_ps(tv + ((size_t)g * 32 + i) * 16, t0[g]);
-        _mm512_store_ps(tv + ((size_t)g * 32 + i + 1) * 16, t1[g]);
+        _mm512_store_ps(tv + ((size_t)g * kRK + i) * 16, t0[g]);
+        _mm512_store_ps(tv + ((size_t)g * kRK + i + 1) * 16, t1[g]);
       }
     }
   }
@@ -138,7 +142,7 @@ void scores_tile(const QuantRun& r, const float* q, const float* qsum, float sca
         for (int g = 0; g < GN; ++g) tot[g] = gi ? _mm512_fmadd_ps(a[g], s, tot[g]) : _mm512_mul_ps(a[g], s);
       }
     }
-    for (int g = 0; g < GN; ++g) _mm512_store_ps(tv + ((size_t)g * 32 + i) * 16, tot[g]);
+    for (int g = 0; g < GN; ++g) _mm512_store_ps(tv + ((size_t)g * kRK + i) * 16, tot[g]);
   }
   for (int i0 = 0; i0 < n; i0 += 16) {
     const int cnt = std::min(16, n - i0);
@@ -151,7 +155,7 @@ void scores_tile(const QuantRun& r, const float* q, const float* qsum, float sca
                                                         r.metaf + (size_t)i0 * r.Ws, 4));
     }
     for (int g = 0; g < GN; ++g) {
-      __m512 s = _mm512_mul_ps(reduce16(tv + ((size_t)g * 32 + i0) * 16), mul);
+      __m512 s = _mm512_mul_ps(reduce16(tv + ((size_t)g * kRK + i0) * 16), mul);
       if (!SYM) {  // + scale * z * sum(q over the group)
         alignas(64) float zq[16] = {0.f};
         for (int k = 0; k < cnt; ++k) {
@@ -266,7 +270,7 @@ __attribute__((target("avx512f,avx512vnni"))) inline __m512i cross_lanes(__m512i
   return _mm512_add_epi32(_mm512_shuffle_i32x4(c01, c23, 0x88), _mm512_shuffle_i32x4(c01, c23, 0xdd));
 }
 
-// scores of the run's keys for GN <= 4 heads g0.. (see above); tvi: scratch int32 [GN][2][8][16]
+// scores of the run's keys for GN <= 4 heads g0.. (see above); tvi: scratch int32 [GN][2][kRK / 4][16]
 // Per 4-key group, head and 64-dim row: A, B, C accumulate over the row in separate registers (short
 // dependency chains), then 256 A + B is formed in int32 (exact: |A|, |B| <= 16 * 255 * 128 per lane and
 // row, so with groups of <= 128 dims even the sum over the four lanes stays below 2^30).
@@ -274,7 +278,7 @@ template <bool SYM, int GN>
 __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r, const VnniQ& vq, int g0, const float* qsum,
                                                           float scale, float* sc, int ldsc, int32_t* tvi) {
   const int D = r.D, kg = r.k_group, ngk = D / kg, nrow = D / 64, n = r.n, nq = (n + 3) / 4;
-  alignas(64) float tot[GN][32];
+  alignas(64) float tot[GN][kRK];
   const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32((int)r.Ws));
   for (int gi = 0; gi < ngk; ++gi) {
@@ -302,8 +306,8 @@ __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r
         }
       }
       for (int g = 0; g < GN; ++g) {
-        _mm512_store_si512(tvi + ((g * 2 + 0) * 8 + kq) * 16, ab[g]);
-        _mm512_store_si512(tvi + ((g * 2 + 1) * 8 + kq) * 16, cc[g]);
+        _mm512_store_si512(tvi + ((g * 2 + 0) * (kRK / 4) + kq) * 16, ab[g]);
+        _mm512_store_si512(tvi + ((g * 2 + 1) * (kRK / 4) + kq) * 16, cc[g]);
       }
     }
     for (int i0 = 0; i0 < n; i0 += 16) {
@@ -317,7 +321,7 @@ __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r
         const int32_t* off = vq.off + ((g0 + g) * ngk + gi) * 3;
         __m512i s[2];
         for (int v = 0; v < 2; ++v) {
-          const int32_t* b = tvi + ((g * 2 + v) * 8 + q0) * 16;
+          const int32_t* b = tvi + ((g * 2 + v) * (kRK / 4) + q0) * 16;
           auto vec = [&](int k) { return q0 + k < nq ? _mm512_load_si512(b + 16 * k) : _mm512_setzero_si512(); };
           s[v] = cross_lanes(vec(0), vec(1), vec(2), vec(3));
         }
@@ -384,15 +388,15 @@ inline void vacc_pass(const QuantRun& r, const float* coef, const float* zt, int
     // 4 bits: vector 2p holds the even dims of pair p, 2p+1 the odd ones; lanes 0-7 of both come from
     // the pair's first 16 dims, lanes 8-15 from the last 16 (SPLIT: different groups, see below)
     const int j = BITS == 4 && DIMS >= 32 ? j0 + (v / 2) * 32 : j0 + v * 16;
-    go[v] = j / vg * 32;
+    go[v] = j / vg * kRK;
   }
-  const int hi_off = DIMS >= 32 ? ((j0 + 16) / vg - j0 / vg) * 32 : 0;  // SPLIT: group step of lanes 8-15
+  const int hi_off = DIMS >= 32 ? ((j0 + 16) / vg - j0 / vg) * kRK : 0;  // SPLIT: group step of lanes 8-15
   __m512 A[GN][NV];  // start from the zero-point sums of the groups (asym; lane order as the coefs)
   for (int g = 0; g < GN; ++g)
     for (int v = 0; v < NV; ++v) {
-      A[g][v] = SYM ? _mm512_setzero_ps() : _mm512_set1_ps(zt[g * 32 + go[v] / 32]);
+      A[g][v] = SYM ? _mm512_setzero_ps() : _mm512_set1_ps(zt[g * 32 + go[v] / kRK]);
       if (!SYM && BITS == 4 && SPLIT && DIMS >= 32)
-        A[g][v] = _mm512_mask_blend_ps(0xff00, A[g][v], _mm512_set1_ps(zt[g * 32 + (go[v] + hi_off) / 32]));
+        A[g][v] = _mm512_mask_blend_ps(0xff00, A[g][v], _mm512_set1_ps(zt[g * 32 + (go[v] + hi_off) / kRK]));
     }
   for (int i = 0; i < n; ++i) {
     const uint8_t* c = r.rec(i) + r.kcb;
@@ -403,7 +407,7 @@ inline void vacc_pass(const QuantRun& r, const float* coef, const float* zt, int
       for (int p = 0; p < NV / 2; ++p) load32<BITS, SYM>(c, j0 + p * 32, x[2 * p], x[2 * p + 1]);
     }
     for (int g = 0; g < GN; ++g) {
-      const float* cf = coef + (size_t)g * 32 * 32 + i;
+      const float* cf = coef + (size_t)g * 32 * kRK + i;
       for (int v = 0; v < NV; ++v) {
         __m512 w = _mm512_set1_ps(cf[go[v]]);
         if (BITS == 4 && SPLIT && DIMS >= 32) w = _mm512_mask_blend_ps(0xff00, w, _mm512_set1_ps(cf[go[v] + hi_off]));
@@ -433,32 +437,35 @@ inline void vacc_pass(const QuantRun& r, const float* coef, const float* zt, int
 template <int BITS, bool SYM, int GN, bool SPLIT>
 void vacc_tile(const QuantRun& r, const float* p, int ldp, float* acc) {
   const int D = r.D, vg = r.v_group, ngv = D / vg, n = r.n;
-  alignas(64) float coef[4 * 32 * 32];  // [head][group][key]: p * s
-  alignas(64) float zt[4 * 32 + 4];     // [head][group]: sum_i p * z (asym)
-  __m512 zp[4];                         // pending p * z vectors for hsum4
+  alignas(64) float coef[4 * 32 * kRK];  // [head][group][key]: p * s
+  alignas(64) float zt[4 * 32 + 4];      // [head][group]: sum_i p * z (asym)
+  __m512 zp[4];                          // pending p * z vectors for hsum4
   int zn = 0, zi[4];
-  const __mmask16 m0 = first_n(n), m1 = first_n(n - 16);
+  const int nch = (n + 15) / 16;         // 16-key chunks
+  __mmask16 mk[kRK / 16];
+  for (int ch = 0; ch < kRK / 16; ++ch) mk[ch] = first_n(n - 16 * ch);
   // per group: the keys' scales and zeros as vectors (lanes = keys), gathered from the float meta
   const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32((int)r.Ws));
   const float* mv = r.metaf + r.ksc;
-  const float* mv1 = mv + 16 * r.Ws;  // keys 16..31
   for (int k = 0; k < ngv; ++k) {
-    const __m512 s0 = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m0, rows, mv + k, 4);
-    const __m512 s1 = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m1, rows, mv1 + k, 4);
-    __m512 z0 = _mm512_setzero_ps(), z1 = _mm512_setzero_ps();
-    if (!SYM) {
-      z0 = _mm512_mask_i32gather_ps(z0, m0, rows, mv + ngv + k, 4);
-      z1 = _mm512_mask_i32gather_ps(z1, m1, rows, mv1 + ngv + k, 4);
+    __m512 sv[kRK / 16], zv[kRK / 16];
+    for (int ch = 0; ch < nch; ++ch) {
+      const float* m = mv + (size_t)16 * ch * r.Ws;
+      sv[ch] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk[ch], rows, m + k, 4);
+      if (!SYM) zv[ch] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk[ch], rows, m + ngv + k, 4);
     }
     for (int g = 0; g < GN; ++g) {
       const float* pg = p + (size_t)g * ldp;
-      const __m512 p0 = _mm512_maskz_loadu_ps(m0, pg), p1 = _mm512_maskz_loadu_ps(m1, pg + 16);
-      float* cf = coef + ((size_t)g * 32 + k) * 32;
-      _mm512_store_ps(cf, _mm512_mul_ps(p0, s0));
-      _mm512_store_ps(cf + 16, _mm512_mul_ps(p1, s1));
+      float* cf = coef + ((size_t)g * 32 + k) * kRK;
+      __m512 pz = _mm512_setzero_ps();
+      for (int ch = 0; ch < nch; ++ch) {
+        const __m512 pc = _mm512_maskz_loadu_ps(mk[ch], pg + 16 * ch);
+        _mm512_store_ps(cf + 16 * ch, _mm512_mul_ps(pc, sv[ch]));
+        if (!SYM) pz = _mm512_fmadd_ps(pc, zv[ch], pz);
+      }
       if (!SYM) {
-        zp[zn] = _mm512_fmadd_ps(p1, z1, _mm512_mul_ps(p0, z0));
+        zp[zn] = pz;
         zi[zn++] = g * 32 + k;
         if (zn == 4) {
           alignas(16) float t[4];
@@ -543,24 +550,27 @@ inline void f16_to_f32_n(const uint16_t* h, float* out, size_t n) {
 template <bool VNNI>
 struct Avx512Ops {
   static constexpr bool kFastQuant = true;
-  static constexpr bool kPairBlocks = true;  // runs of two blocks (QuantRun::rec)
+  static constexpr int kRunKeys = kRK;  // runs of several blocks (QuantRun::rec)
 
   static bool use_vnni(int k_bits, int k_group) { return VNNI && vnni_scores_apply(k_bits, k_group); }
 
   static void q_scores(const QuantRun& r, const float* q, const float* qsum, int G, float scale, float* sc, int ldsc) {
-    // the run's fp16 scales/zeros as float32, both segments back to back (v_accum reuses them)
-    f16_to_f32_n(r.meta, r.metaf, (size_t)r.n_first * r.Ws);
-    if (r.n > r.n_first) f16_to_f32_n(r.meta2, r.metaf + (size_t)r.n_first * r.Ws, (size_t)(r.n - r.n_first) * r.Ws);
+    // the run's fp16 scales/zeros as float32, the segments back to back (v_accum reuses them)
+    float* mf = r.metaf;
+    for (int sg = 0; sg < r.nseg; ++sg) {
+      f16_to_f32_n(r.seg_meta[sg], mf, (size_t)r.seg_n[sg] * r.Ws);
+      mf += (size_t)r.seg_n[sg] * r.Ws;
+    }
     if (use_vnni(r.k_bits, r.k_group)) {
       const VnniQ vq(q, G, r.D, r.D / r.k_group);
-      alignas(64) int32_t tvi[4 * 2 * 8 * 16];
+      alignas(64) int32_t tvi[4 * 2 * (kRK / 4) * 16];
       impl::for_head_tiles(G, [&](auto gn, int g0) {
         r.k_sym ? scores_vnni<true, decltype(gn)::value>(r, vq, g0, qsum, scale, sc, ldsc, tvi)
                 : scores_vnni<false, decltype(gn)::value>(r, vq, g0, qsum, scale, sc, ldsc, tvi);
       });
       return;
     }
-    alignas(64) float tv[4 * 32 * 16];
+    alignas(64) float tv[4 * kRK * 16];
     if (r.k_bits == 8) {
       r.k_sym ? scores_by_group<8, true>(r, q, qsum, G, scale, sc, ldsc, tv)
               : scores_by_group<8, false>(r, q, qsum, G, scale, sc, ldsc, tv);
@@ -595,20 +605,18 @@ struct Avx512Ops {
     }
   }
 
-  // row-wise softmax helpers: rows of up to 32 keys, four rows per transpose-reduce
+  // row-wise softmax helpers: rows of up to kRK keys, four rows per transpose-reduce
   template <bool MAX>
   static void rows_reduce(const float* x, int ldx, int G, int n, float* out) {
-    const __mmask16 m0 = first_n(n), m1 = first_n(n - 16);
     const __m512 fill = _mm512_set1_ps(MAX ? -std::numeric_limits<float>::infinity() : 0.f);
+    auto op = [](__m512 a, __m512 b) { return MAX ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b); };
     auto row = [&](int g) {
       if (g >= G) return fill;
       const float* xg = x + (size_t)g * ldx;
-      const __m512 a = _mm512_mask_loadu_ps(fill, m0, xg);
-      if (n <= 16) return a;
-      const __m512 b = _mm512_mask_loadu_ps(fill, m1, xg + 16);
-      return MAX ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b);
+      __m512 a = _mm512_mask_loadu_ps(fill, first_n(n), xg);
+      for (int i = 16; i < n; i += 16) a = op(a, _mm512_mask_loadu_ps(fill, first_n(n - i), xg + i));
+      return a;
     };
-    auto op = [](__m512 a, __m512 b) { return MAX ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b); };
     for (int g0 = 0; g0 < G; g0 += 4) {
       const __m512 v0 = row(g0), v1 = row(g0 + 1), v2 = row(g0 + 2), v3 = row(g0 + 3);
       const __m512 a = op(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1));
@@ -621,13 +629,13 @@ struct Avx512Ops {
   }
   static void row_max(const float* sc, int ldsc, int G, int n, float* out) { rows_reduce<true>(sc, ldsc, G, n, out); }
   static void row_exp(float* sc, int ldsc, int G, int n, const float* m, float* sum) {
-    const __mmask16 m0 = first_n(n), m1 = first_n(n - 16);
     for (int g = 0; g < G; ++g) {
       float* x = sc + (size_t)g * ldsc;
       const __m512 vm = _mm512_set1_ps(m[g]);
-      _mm512_mask_storeu_ps(x, m0, _mm512_maskz_mov_ps(m0, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m0, x), vm))));
-      if (n > 16)
-        _mm512_mask_storeu_ps(x + 16, m1, _mm512_maskz_mov_ps(m1, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m1, x + 16), vm))));
+      for (int i = 0; i < n; i += 16) {
+        const __mmask16 k = first_n(n - i);
+        _mm512_mask_storeu_ps(x + i, k, _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vm))));
+      }
     }
     rows_reduce<false>(sc, ldsc, G, n, sum);
   }

@@ -29,8 +29,11 @@ struct AttnContext {
   size_t partial_stride() const { return (size_t)G * (2 + (size_t)p->D); }
 };
 
-// Keys one fused run may hold: two blocks of up to 16 tokens, or one larger block.
-inline int run_capacity(int block_size) { return block_size <= 16 ? 2 * block_size : block_size; }
+// Keys one fused run may hold: consecutive blocks up to kMaxRunKeys keys (Ops::kRunKeys), at least one
+// block.
+constexpr int kMaxRunKeys = 64;
+constexpr int kMaxRunBlocks = 8;  // blocks of >= 8 tokens (the fast path's minimum)
+inline int run_capacity(int block_size) { return block_size < kMaxRunKeys ? kMaxRunKeys : block_size; }
 
 // Floats of per-thread scratch one attend call needs.
 inline size_t attn_scratch_floats(const AttnContext& c) {
