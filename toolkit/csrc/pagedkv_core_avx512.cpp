@@ -488,12 +488,11 @@ void vacc_tile(const QuantRun& r, const float* p, int ldp, float* acc) {
   if (j0 < D) vacc_pass<BITS, SYM, SPLIT, GN, 16>(r, coef, zt, j0, acc);
 }
 
-// exp for the softmax only (Cephes-style range reduction + degree-6 polynomial, ~1 ulp); x <= 0 here.
-// Below -87.3 the result is 0 (no subnormal probabilities).
+// exp for the softmax only (Cephes-style range reduction + degree-6 polynomial, ~1 ulp; the power of
+// two applied by vscalefps); x <= 0 here. Below -87.3 (or NaN) the result is 0 (no subnormal
+// probabilities).
 inline __m512 exp512(__m512 x) {
   const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.3f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -505,8 +504,7 @@ inline __m512 exp512(__m512 x) {
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(e));
+  return _mm512_maskz_scalef_ps(keep, y, n);
 }
 
 // K scores of all heads, by tiles of up to 4 heads; NCH as for scores_tile
