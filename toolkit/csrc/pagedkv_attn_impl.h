@@ -390,7 +390,6 @@ struct Attend {
           const uint8_t* codes = static_cast<const uint8_t*>(B.codes) + rec0 * W;
           const uint16_t* meta = B.scales + rec0 * Ws;
           if (fast) {
-            if (b + 2 <= blast) prefetch_block(row[b + 2], h, W, Ws);  // two blocks ahead
             quant_block(codes, meta, n);
           } else {
             run(n, [&](int i, int part) {
@@ -409,18 +408,6 @@ struct Attend {
       }
     }
     flush_pending();
-  }
-
-  // software prefetch of the next quantized block of this head (codes and scales)
-  void prefetch_block(int64_t blk, int h, size_t W, size_t Ws) {
-    if (blk < 0 || blk >= P.num_blocks) return;
-    const size_t rec0 = ((size_t)blk * P.Hkv + h) * bs;
-    const char* cp = reinterpret_cast<const char*>(static_cast<const uint8_t*>(B.codes) + rec0 * W);
-    const size_t cbytes = (size_t)bs * W;
-    for (size_t o = 0; o < cbytes; o += 64) __builtin_prefetch(cp + o, 0, 3);
-    const char* sp = reinterpret_cast<const char*>(B.scales + rec0 * Ws);
-    const size_t sbytes = (size_t)bs * Ws * 2;
-    for (size_t o = 0; o < sbytes; o += 64) __builtin_prefetch(sp + o, 0, 3);
   }
 
   void finish(int t, int h) {
