@@ -345,7 +345,7 @@ __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r
 // ---- V accumulation ----------------------------------------------------------------------------
 
 // 32 dims j..j+31 of a record's V codes as two vectors (u - 2^(b-1) when SYM). 8 bits: a = dims
-// j..j+15, b = j+16..j+31. 4 bits: the 16 bytes are widened once and split into nibbles, so a = the
+// j..j+15, b = j+16..j+31. 4 bits: the 16 bytes are widened once and their nibbles looked up, so a = the
 // even dims j, j+2, .., j+30 and b = the odd dims (undone by unpermute32).
 template <int BITS, bool SYM>
 inline void load32(const uint8_t* codes, int j, __m512& a, __m512& b) {
@@ -354,9 +354,13 @@ inline void load32(const uint8_t* codes, int j, __m512& a, __m512& b) {
     x0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j)));
     x1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j + 16)));
   } else {
+    // the nibbles index a table of their float values (vpermps reads the low 4 bits of each lane)
     const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j / 2)));
-    x0 = _mm512_and_si512(x, _mm512_set1_epi32(0x0f));
-    x1 = _mm512_srli_epi32(x, 4);
+    const __m512 table = SYM ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                             : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    a = _mm512_permutexvar_ps(x, table);
+    b = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), table);
+    return;
   }
   if (SYM) {
     const __m512i c = _mm512_set1_epi32(1 << (BITS - 1));
