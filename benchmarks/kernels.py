@@ -490,7 +490,12 @@ def main(argv=None) -> int:
     ap.add_argument("--slice", type=float, default=None,
                     help="seconds per implementation per round (default 0.03, quick 0.02)")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "kernels.json")
+    ap.add_argument("--table", type=Path, default=None, metavar="JSON",
+                    help="measure nothing: print the BENCHMARKS.md table (one row per cell) of a results file")
     args = ap.parse_args(argv)
+    if args.table:
+        print(pivot(json.loads(args.table.read_text())))
+        return 0
     ctxs = args.ctx or ([1024, 4096] if args.quick else [1024, 4096, 16384])
     rounds = args.rounds or (3 if args.quick else 15)
     target = args.slice or (0.02 if args.quick else 0.03)
@@ -568,6 +573,27 @@ def markdown(rows, bw) -> str:
             f"{r['gb_s']:.1f} | {r['bandwidth_fraction']:.2f} |" if f32 and i8 else
             f"| {r['q_heads']}/{r['kv_heads']}/{r['head_dim']} | {r['ctx']} | {r['threads']} | {r['impl']} | "
             f"{r['bytes'] / 2**20:.2f} | {r['ms']:.3f} | - | - | {r['gb_s']:.1f} | {r['bandwidth_fraction']:.2f} |")
+    return "\n".join(lines)
+
+
+def pivot(rows) -> str:
+    """One line per (dims, ctx, threads): every implementation's ms, ours / GQA int8 and / fp32 (ours = the
+    ORT host), our bandwidth fraction."""
+    impls = [i for i in ("pagedkv-ort", "pagedkv-et") if any(r["impl"] == i for r in rows)]
+    impls += sorted({r["impl"] for r in rows if r["impl"].startswith("core-")})
+    impls += [i for i in ("gqa-fp32", "gqa-int8", "gqa-int4", "et-custom-sdpa") if any(r["impl"] == i for r in rows)]
+    cells: dict = {}
+    for r in rows:
+        cells.setdefault((r["q_heads"], r["kv_heads"], r["head_dim"], r["ctx"], r["threads"]), {})[r["impl"]] = r
+    head = ["q/kv heads, head_dim", "ctx", "threads"] + impls + ["ours / GQA int8", "ours / GQA fp32", "ours bw"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---|" + "---:|" * (len(head) - 3)]
+    for (hq, hkv, d, ctx, thr), c in cells.items():
+        ours = c.get("pagedkv-ort")
+        ratio = lambda ref: f"{ours['ms'] / c[ref]['ms']:.2f}" if ours and ref in c else "-"  # noqa: E731
+        vals = [f"{c[i]['ms']:.3f}" if c[i]["ms"] < 10 else f"{c[i]['ms']:.2f}" if i in c else "-" for i in impls]
+        lines.append(f"| {hq}/{hkv}/{d} | {ctx // 1024}K | {thr} | " + " | ".join(vals)
+                     + f" | {ratio('gqa-int8')} | {ratio('gqa-fp32')} | "
+                     + (f"{ours['bandwidth_fraction']:.2f}" if ours else "-") + " |")
     return "\n".join(lines)
 
 
