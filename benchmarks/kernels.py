@@ -17,6 +17,8 @@ et-custom-sdpa in its own group right after the others of the same cell, see ISO
                  (mutable buffers), start_pos baked into the .pte
   core-<path>    the C++ core alone (no host) on each code path of this CPU (avx2, avx512, ...; the hosts
                  use the best one), from toolkit/csrc/pagedkv_core_bench, run right after the others
+  core-hot       the best path again with the block table cycling over 8 blocks (BENCH_HOT_BLOCKS=8):
+                 the same work with the pool in L1/L2, i.e. the step without cache misses
 
 Threads: onnxruntime intra_op_num_threads (one session per count, allow_spinning=0), ExecuTorch
 _unsafe_reset_threadpool, our kernel PAGEDKV_NUM_THREADS (read by the core on every call).
@@ -420,15 +422,17 @@ def core_paths() -> list:
     return [p for p in out.split() if p != "scalar"]
 
 
-def core_bench(path, hq, hkv, d, ctx, threads, reps=None):
+def core_bench(path, hq, hkv, d, ctx, threads, reps=None, hot_blocks=0):
     """(median ms, bytes) of one decode step of the core alone on one code path (toolkit/csrc/
-    pagedkv_core_bench: the default spec, random codes, shuffled blocks)."""
+    pagedkv_core_bench: the default spec, random codes, shuffled blocks; hot_blocks > 0: the block table
+    cycles over that many blocks, so the pool stays in the nearest caches)."""
     import re
     import subprocess
 
     reps = reps or max(20, min(400, int(2e6 / ctx)))
+    env = dict(os.environ, BENCH_HOT_BLOCKS=str(hot_blocks)) if hot_blocks else None
     out = subprocess.run([str(_core_bench_exe()), str(ctx), str(hq), str(hkv), str(d), str(threads), str(reps), path],
-                         capture_output=True, text=True, check=True).stdout
+                         capture_output=True, text=True, check=True, env=env).stdout
     m = re.search(r"([\d.]+) ms .* bytes (\d+)", out)
     if not m:
         raise RuntimeError(f"unexpected pagedkv_core_bench output: {out!r}")
@@ -531,6 +535,8 @@ def main(argv=None) -> int:
                 sizes = {impl: runners[impl].bytes for impl in ms}
                 for path in paths:  # the core alone, per code path, right after the hosts
                     ms[f"core-{path}"], sizes[f"core-{path}"] = core_bench(path, hq, hkv, d, ctx, n)
+                if paths:  # the best path (--paths lists the plainest first) over 8 repeated blocks: no cache misses
+                    ms["core-hot"], sizes["core-hot"] = core_bench(paths[-1], hq, hkv, d, ctx, n, hot_blocks=8)
                 for impl, m in ms.items():
                     b = sizes[impl]
                     rows.append(dict(impl=impl, ctx=ctx, threads=n, q_heads=hq, kv_heads=hkv, head_dim=d, ms=round(m, 4),

@@ -4,6 +4,8 @@
 // not depend on the values). benchmarks/kernels.py runs it next to the hosts and the peers:
 //   pagedkv_core_bench [ctx=16384] [Hq=9] [Hkv=3] [D=64] [threads=1] [reps=200] [path: avx2|avx512|...]
 //   pagedkv_core_bench --paths      the code paths available on this CPU
+// Env: BENCH_SEQUENTIAL=1 blocks in order; BENCH_HOT_BLOCKS=n the table cycles over n blocks (with n = 8
+// the pool stays in L1/L2: the step without cache misses).
 // "bytes" = what the step reads from the KV cache: codes + fp16 scales of the quantized keys, fp16 rows
 // of the sink block and of the tail (same count as benchmarks/kernels.py).
 #include <algorithm>
@@ -52,6 +54,9 @@ int main(int argc, char** argv) {
   std::vector<int64_t> table(M);
   for (int i = 0; i < M; ++i) table[i] = i;
   if (!std::getenv("BENCH_SEQUENTIAL")) std::shuffle(table.begin(), table.end(), rng);
+  // BENCH_HOT_BLOCKS=n: the table cycles over n blocks (a cache-resident pool: the cost without misses)
+  if (const char* hot = std::getenv("BENCH_HOT_BLOCKS"))
+    for (int i = 0; i < M; ++i) table[i] = i % std::max(1, std::atoi(hot));
   std::vector<float> q((size_t)Hq * D), k((size_t)Hkv * D), v((size_t)Hkv * D), out((size_t)Hq * D);
   for (auto& x : q) x = nd(rng);
   for (auto& x : k) x = nd(rng);
