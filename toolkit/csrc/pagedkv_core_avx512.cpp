@@ -171,7 +171,7 @@ void scores_tile(const QuantRun& r, const float* q, const float* qsum, float sca
   }
 }
 
-// ---- K scores with AVX-512 VNNI (8-bit K codes, K groups of a multiple of 64 dims) ----------------
+// ---- K scores with AVX-512 VNNI (8-bit K codes, K groups of 64 or 128 dims) ---------------------
 // q is split per (head, K group) into three int8 limbs exactly as the NEON sdot path does (Q = q / s_q
 // rounded, |Q| <= 127 * 65536, Q = 65536 a + 256 b + c). vpdpbusd multiplies the raw u8 codes with the
 // signed limbs; sym K subtracts 128 * sum(limb) from each limb's integer dot, so A, B, C are the exact
