@@ -5,7 +5,7 @@
 //   K scores: per key, the group dot products of all query heads from one load of the key's codes
 //     (q rows stay in L1); the vectors of 16 keys x 1 head are reduced at once by a transpose-add tree
 //     (about 3 shuffles/adds per score instead of a full horizontal sum each), then scaled per key.
-//     VNNI: integer dot products of 4 keys at a time with q in three int8 limbs (scores_vnni).
+//     VNNI: integer dot products of 16 keys at a time with q in three int8 limbs (scores_vnni).
 //   softmax: the row maxima and sums of all heads through one transpose-reduce per 4 heads.
 //   V: the accumulators of 64 dims x all heads live in registers while the run's keys stream by; 4-bit
 //     codes are split into their nibbles without interleaving (evens/odds lane order, undone once per
@@ -174,44 +174,36 @@ void scores_tile(const QuantRun& r, const float* q, const float* qsum, float sca
 // ---- K scores with AVX-512 VNNI (8-bit K codes, K groups of 64 or 128 dims) ---------------------
 // q is split per (head, K group) into three int8 limbs exactly as the NEON sdot path does (Q = q / s_q
 // rounded, |Q| <= 127 * 65536, Q = 65536 a + 256 b + c). vpdpbusd multiplies the raw u8 codes with the
-// signed limbs; sym K subtracts 128 * sum(limb) from each limb's integer dot, so A, B, C are the exact
-// dots with the centred codes. Keys enter 4 at a time: the 64-byte code rows of 4 keys are transposed
-// by dwords inside each 128-bit lane, so that lane position 4L + k holds 4 dims of key k, and the q
-// limbs are stored pre-arranged to match (VnniQ). After a group's rows, one int32 vector per (head,
-// limb) and 4 keys holds per key 4 partial sums (one per 128-bit lane); the vectors of 16 keys are
-// reduced across lanes at once (no horizontal sums per key).
+// signed limbs; subtracting 128 * sum(limb) makes A, B, C the exact dots with the centred codes. Keys go
+// 16 at a time: the 64-byte code rows of 16 keys are transposed by dwords (lane k = key k, one vector per
+// 4 dims), so each vpdpbusd takes one broadcast dword of a limb and no horizontal sums are needed.
 
 // The prepared query in Attend's qk scratch (q_prepare; floats of room: 4 * G * D):
-//   pat  int8  [G][D / 64][3 limbs][4 m][64]  position 4L + k of (row j, m): limb bytes of dims
-//                                             64 j + 16 L + 4 m .. + 3 (the same for every k)
-//   off  int32 [G][ngk][3]                    128 * sum of the limb over the group (sym offset)
-//   sq   float [G][ngk]                       s_q (NaN when the group of q is not finite)
+//   limbs int8  [G][D / 64][3][64]  limb l of the 64 dims of row j (as dwords: 4 dims each)
+//   off   int32 [G][ngk][3]         128 * sum of the limb over the group (centring offset)
+//   sq    float [G][ngk]            s_q (NaN when the group of q is not finite)
 struct VnniQ {
-  const int8_t* pat;
+  const int8_t* limbs;
   const int32_t* off;
   const float* sq;
   VnniQ(const float* base, int G, int D, int ngk) {
-    pat = reinterpret_cast<const int8_t*>(base);
-    off = reinterpret_cast<const int32_t*>(base + (size_t)3 * G * D);
-    sq = base + (size_t)3 * G * D + (size_t)3 * G * ngk;
+    limbs = reinterpret_cast<const int8_t*>(base);
+    off = reinterpret_cast<const int32_t*>(base + (size_t)3 * G * D / 4);
+    sq = base + (size_t)3 * G * D / 4 + (size_t)3 * G * ngk;
   }
 };
 
-// groups of 64 or 128 dims keep the int32 sums below 2^30 (see scores_vnni)
+// groups of 64 or 128 dims keep 256 A + B within int32 (see scores_vnni)
 inline bool vnni_scores_apply(int k_bits, int k_group) { return k_bits == 8 && (k_group == 64 || k_group == 128); }
 
 // q rows -> VnniQ (see above) at out. Runs once per attention call and split part, so vectorized:
 // Q = round-to-nearest-even(q * 2^-e) in double (exact scaling, as lrint(ldexp(q, -e)) in the NEON path).
 inline void vnni_q_prepare(const float* q, int G, int D, int k_group, float* out) {
-  const int ngk = D / k_group, nrow = D / 64;
-  int8_t* pat = reinterpret_cast<int8_t*>(out);
-  int32_t* off = reinterpret_cast<int32_t*>(out + (size_t)3 * G * D);
-  float* sq = out + (size_t)3 * G * D + (size_t)3 * G * ngk;
-  __m512i perm[4];  // position 4 L + k <- dword 4 L + m
-  for (int m = 0; m < 4; ++m)
-    perm[m] = _mm512_add_epi32(_mm512_set1_epi32(m), _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
+  const int ngk = D / k_group;
+  int8_t* limbs = reinterpret_cast<int8_t*>(out);
+  int32_t* off = reinterpret_cast<int32_t*>(out + (size_t)3 * G * D / 4);
+  float* sq = out + (size_t)3 * G * D / 4 + (size_t)3 * G * ngk;
   const __m512i k128 = _mm512_set1_epi32(128), k255 = _mm512_set1_epi32(255);
-  alignas(64) int8_t limb[3][64];
   for (int g = 0; g < G; ++g)
     for (int gi = 0; gi < ngk; ++gi) {
       const float* qg = q + (size_t)g * D + (size_t)gi * k_group;
@@ -234,112 +226,138 @@ inline void vnni_q_prepare(const float* q, int G, int D, int k_group, float* out
       sq[g * ngk + gi] = bad ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.f, e);
       const __m512d inv = _mm512_set1_pd(std::ldexp(1.0, -e));
       __m512i sums[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-      for (int j0 = 0; j0 < k_group; j0 += 64) {
-        for (int c16 = 0; c16 < 4; ++c16) {
-          const __m512 v = _mm512_loadu_ps(qg + j0 + 16 * c16);
-          const __m256i lo = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v)), inv));
-          const __m256i hi = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)), inv));
-          __m512i Q = bad ? _mm512_setzero_si512() : _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-          // balanced base-256 digits: c, b in [-128, 127], a in [-127, 127]
-          const __m512i c = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(Q, k128), k255), k128);
-          const __m512i Q1 = _mm512_srai_epi32(_mm512_sub_epi32(Q, c), 8);
-          const __m512i b = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(Q1, k128), k255), k128);
-          const __m512i a = _mm512_srai_epi32(_mm512_sub_epi32(Q1, b), 8);
-          const __m512i d[3] = {a, b, c};
-          for (int l = 0; l < 3; ++l) {
-            _mm_store_si128(reinterpret_cast<__m128i*>(limb[l] + 16 * c16), _mm512_cvtepi32_epi8(d[l]));
-            sums[l] = _mm512_add_epi32(sums[l], d[l]);
-          }
-        }
-        const int row = (gi * k_group + j0) / 64;
+      for (int j = 0; j < k_group; j += 16) {
+        const __m512 v = _mm512_loadu_ps(qg + j);
+        const __m256i lo = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v)), inv));
+        const __m256i hi = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)), inv));
+        const __m512i Q = bad ? _mm512_setzero_si512() : _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        // balanced base-256 digits: c, b in [-128, 127], a in [-127, 127]
+        const __m512i c = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(Q, k128), k255), k128);
+        const __m512i Q1 = _mm512_srai_epi32(_mm512_sub_epi32(Q, c), 8);
+        const __m512i b = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(Q1, k128), k255), k128);
+        const __m512i a = _mm512_srai_epi32(_mm512_sub_epi32(Q1, b), 8);
+        const __m512i d[3] = {a, b, c};
+        const int dim = gi * k_group + j;  // row dim / 64, offset dim % 64
         for (int l = 0; l < 3; ++l) {
-          const __m512i lv = _mm512_load_si512(limb[l]);
-          int8_t* dst = pat + (((size_t)g * nrow + row) * 3 + l) * 256;
-          for (int m = 0; m < 4; ++m) _mm512_storeu_si512(dst + 64 * m, _mm512_permutexvar_epi32(perm[m], lv));
+          int8_t* dst = limbs + (((size_t)g * (D / 64) + dim / 64) * 3 + l) * 64 + dim % 64;
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(d[l]));
+          sums[l] = _mm512_add_epi32(sums[l], d[l]);
         }
       }
       for (int l = 0; l < 3; ++l) off[(g * ngk + gi) * 3 + l] = 128 * _mm512_reduce_add_epi32(sums[l]);
     }
 }
 
-// v0..v3: per 128-bit lane L and position k the partial sums of key k of 4-key group v_i -> lane 4 i + k
-// = the sum over the four lanes (int32, exact)
-__attribute__((target("avx512f,avx512vnni"))) inline __m512i cross_lanes(__m512i v0, __m512i v1, __m512i v2, __m512i v3) {
-  const __m512i c01 = _mm512_add_epi32(_mm512_shuffle_i32x4(v0, v1, 0x44), _mm512_shuffle_i32x4(v0, v1, 0xee));
-  const __m512i c23 = _mm512_add_epi32(_mm512_shuffle_i32x4(v2, v3, 0x44), _mm512_shuffle_i32x4(v2, v3, 0xee));
-  return _mm512_add_epi32(_mm512_shuffle_i32x4(c01, c23, 0x88), _mm512_shuffle_i32x4(c01, c23, 0xdd));
+// 16 rows of 16 dwords -> u[d] = dword d of every row (lane k = row k): in-lane 4x4 transposes of 4 rows
+// at a time, then 4x4 transposes of their 128-bit lanes
+__attribute__((target("avx512f,avx512vnni"))) inline void transpose16(const __m512i* r, __m512i* u) {
+  __m512i t[4][4];  // [rows 4i..4i+3][m]: position 4 L + k = row 4 i + k, dword 4 L + m
+  for (int i = 0; i < 4; ++i) {
+    const __m512i a0 = _mm512_unpacklo_epi32(r[4 * i], r[4 * i + 1]), a1 = _mm512_unpackhi_epi32(r[4 * i], r[4 * i + 1]);
+    const __m512i a2 = _mm512_unpacklo_epi32(r[4 * i + 2], r[4 * i + 3]);
+    const __m512i a3 = _mm512_unpackhi_epi32(r[4 * i + 2], r[4 * i + 3]);
+    t[i][0] = _mm512_unpacklo_epi64(a0, a2), t[i][1] = _mm512_unpackhi_epi64(a0, a2);
+    t[i][2] = _mm512_unpacklo_epi64(a1, a3), t[i][3] = _mm512_unpackhi_epi64(a1, a3);
+  }
+  for (int m = 0; m < 4; ++m) {
+    const __m512i b0 = _mm512_shuffle_i32x4(t[0][m], t[1][m], 0x44), b1 = _mm512_shuffle_i32x4(t[0][m], t[1][m], 0xee);
+    const __m512i b2 = _mm512_shuffle_i32x4(t[2][m], t[3][m], 0x44), b3 = _mm512_shuffle_i32x4(t[2][m], t[3][m], 0xee);
+    u[m] = _mm512_shuffle_i32x4(b0, b2, 0x88), u[4 + m] = _mm512_shuffle_i32x4(b0, b2, 0xdd);
+    u[8 + m] = _mm512_shuffle_i32x4(b1, b3, 0x88), u[12 + m] = _mm512_shuffle_i32x4(b1, b3, 0xdd);
+  }
 }
 
-// scores of the run's keys for GN <= 4 heads g0.. (see above); tvi: scratch int32 [GN][2][kRK / 4][16]
-// Per 4-key group, head and 64-dim row: A, B, C accumulate over the row in separate registers (short
-// dependency chains), then 256 A + B is formed in int32 (exact: |A|, |B| <= 16 * 255 * 128 per lane and
-// row, so with groups of <= 128 dims even the sum over the four lanes stays below 2^30).
+// acc += u (u8) . the dword at q (s8) in every lane. Written as an embedded broadcast ({1to16}): GCC 12
+// emits the intrinsic form as a separate broadcast per product, twice the instructions of this loop
+// (measured slower).
+__attribute__((target("avx512f,avx512vnni"))) inline __m512i dpb(__m512i acc, __m512i u, const int32_t* q) {
+  __asm__("vpdpbusd %[q]%{1to16%}, %[u], %[acc]" : [acc] "+v"(acc) : [u] "v"(u), [q] "m"(*q));
+  return acc;
+}
+
+// One 64-dim row of 16 keys (u: transpose16 of their code rows) against HT <= 3 heads: per head the limb
+// dots A, B, C, added to ab (256 A + B, exact in int32, see scores_vnni) and cc (C). ql[h]: the 3 x 16
+// limb dwords of head h for this row. P partial sums per chain (by dword parity) keep >= 9 dependency
+// chains in flight for fewer heads.
+template <int HT>
+__attribute__((target("avx512f,avx512vnni"))) inline void vnni_row(const __m512i* u, const int32_t* const* ql, __m512i* ab,
+                                                               __m512i* cc) {
+  constexpr int P = HT == 1 ? 3 : HT == 2 ? 2 : 1;
+  __m512i A[HT][P], B[HT][P], C[HT][P];
+  for (int h = 0; h < HT; ++h)
+    for (int p = 0; p < P; ++p) A[h][p] = B[h][p] = C[h][p] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+  for (int d = 0; d < 16; ++d) {
+#pragma GCC unroll 3
+    for (int h = 0; h < HT; ++h) {
+      A[h][d % P] = dpb(A[h][d % P], u[d], ql[h] + d);
+      B[h][d % P] = dpb(B[h][d % P], u[d], ql[h] + 16 + d);
+      C[h][d % P] = dpb(C[h][d % P], u[d], ql[h] + 32 + d);
+    }
+  }
+  for (int h = 0; h < HT; ++h) {
+    for (int p = 1; p < P; ++p) {
+      A[h][0] = _mm512_add_epi32(A[h][0], A[h][p]);
+      B[h][0] = _mm512_add_epi32(B[h][0], B[h][p]);
+      C[h][0] = _mm512_add_epi32(C[h][0], C[h][p]);
+    }
+    ab[h] = _mm512_add_epi32(ab[h], _mm512_add_epi32(_mm512_slli_epi32(A[h][0], 8), B[h][0]));
+    cc[h] = _mm512_add_epi32(cc[h], C[h][0]);
+  }
+}
+
+// scores of the run's keys for GN <= 4 heads g0.. (see above). Per 16 keys, head and K group: A, B, C
+// accumulate over the group's rows; |A|, |B| <= 128 * 255 * 128 for groups of <= 128 dims, so 256 A + B
+// stays below 2^31. The rows of the next 16 keys are prefetched (measured: without it the step over a
+// cold pool is slower than the 4-keys-at-a-time form this replaced; with it, ~13% faster at 32/8/128).
 template <bool SYM, int GN>
 __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r, const VnniQ& vq, int g0, const float* qsum,
-                                                          float scale, float* sc, int ldsc, int32_t* tvi) {
-  const int D = r.D, kg = r.k_group, ngk = D / kg, nrow = D / 64, n = r.n, nq = (n + 3) / 4;
-  alignas(64) float tot[GN][kRK];
+                                                          float scale, float* sc, int ldsc) {
+  const int D = r.D, kg = r.k_group, ngk = D / kg, nrow = D / 64, n = r.n;
   const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32((int)r.Ws));
-  for (int gi = 0; gi < ngk; ++gi) {
-    for (int kq = 0; kq < nq; ++kq) {
-      const uint8_t* cp[4];
-      for (int k = 0; k < 4; ++k) cp[k] = r.rec(std::min(4 * kq + k, n - 1));  // pad with the last key
+  for (int i0 = 0; i0 < n; i0 += 16) {
+    const __mmask16 live = first_n(n - i0);
+    const uint8_t* cp[16];
+    for (int k = 0; k < 16; ++k) cp[k] = r.rec(std::min(i0 + k, n - 1));  // pad with the last key
+    for (int k = i0 + 16; k < std::min(i0 + 32, n); ++k)
+      for (int o = 0; o < D; o += 64) _mm_prefetch(reinterpret_cast<const char*>(r.rec(k)) + o, _MM_HINT_T0);
+    const float* m0 = r.metaf + (size_t)i0 * r.Ws;
+    __m512 tot[GN];
+    for (int gi = 0; gi < ngk; ++gi) {
       __m512i ab[GN], cc[GN];
       for (int g = 0; g < GN; ++g) ab[g] = cc[g] = _mm512_setzero_si512();
       for (int row = gi * kg / 64; row < (gi + 1) * kg / 64; ++row) {
-        const __m512i r0 = _mm512_loadu_si512(cp[0] + 64 * row), r1 = _mm512_loadu_si512(cp[1] + 64 * row);
-        const __m512i r2 = _mm512_loadu_si512(cp[2] + 64 * row), r3 = _mm512_loadu_si512(cp[3] + 64 * row);
-        const __m512i a0 = _mm512_unpacklo_epi32(r0, r1), a1 = _mm512_unpackhi_epi32(r0, r1);
-        const __m512i a2 = _mm512_unpacklo_epi32(r2, r3), a3 = _mm512_unpackhi_epi32(r2, r3);
-        const __m512i t[4] = {_mm512_unpacklo_epi64(a0, a2), _mm512_unpackhi_epi64(a0, a2),
-                              _mm512_unpacklo_epi64(a1, a3), _mm512_unpackhi_epi64(a1, a3)};
-        for (int g = 0; g < GN; ++g) {
-          const int8_t* p = vq.pat + ((size_t)(g0 + g) * nrow + row) * 3 * 256;
-          __m512i A = _mm512_setzero_si512(), B = _mm512_setzero_si512();
-          for (int mm = 0; mm < 4; ++mm) {
-            A = _mm512_dpbusd_epi32(A, t[mm], _mm512_loadu_si512(p + mm * 64));
-            B = _mm512_dpbusd_epi32(B, t[mm], _mm512_loadu_si512(p + 256 + mm * 64));
-            cc[g] = _mm512_dpbusd_epi32(cc[g], t[mm], _mm512_loadu_si512(p + 512 + mm * 64));
-          }
-          ab[g] = _mm512_add_epi32(ab[g], _mm512_add_epi32(_mm512_slli_epi32(A, 8), B));
+        __m512i x[16], u[16];
+        for (int k = 0; k < 16; ++k) x[k] = _mm512_loadu_si512(cp[k] + 64 * row);
+        transpose16(x, u);
+        const int32_t* ql[GN];
+        for (int g = 0; g < GN; ++g)
+          ql[g] = reinterpret_cast<const int32_t*>(vq.limbs + ((size_t)(g0 + g) * nrow + row) * 3 * 64);
+        if constexpr (GN == 4) {  // two tiles of 2 heads (registers)
+          vnni_row<2>(u, ql, ab, cc);
+          vnni_row<2>(u, ql + 2, ab + 2, cc + 2);
+        } else {
+          vnni_row<GN>(u, ql, ab, cc);
         }
       }
-      for (int g = 0; g < GN; ++g) {
-        _mm512_store_si512(tvi + ((g * 2 + 0) * (kRK / 4) + kq) * 16, ab[g]);
-        _mm512_store_si512(tvi + ((g * 2 + 1) * (kRK / 4) + kq) * 16, cc[g]);
-      }
-    }
-    for (int i0 = 0; i0 < n; i0 += 16) {
-      const int q0 = i0 / 4, cnt = std::min(16, n - i0);
-      const __mmask16 live = first_n(cnt);
-      const float* m0 = r.metaf + (size_t)i0 * r.Ws;
       const __m512 ks = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, rows, m0 + gi, 4);
       __m512 zk = _mm512_setzero_ps();  // asym: z_k + 128 s_k multiplies sum(q) (the codes enter centred)
       if (!SYM) zk = _mm512_fmadd_ps(ks, _mm512_set1_ps(128.f), _mm512_mask_i32gather_ps(zk, live, rows, m0 + ngk + gi, 4));
       for (int g = 0; g < GN; ++g) {
         const int32_t* off = vq.off + ((g0 + g) * ngk + gi) * 3;
-        __m512i s[2];
-        for (int v = 0; v < 2; ++v) {
-          const int32_t* b = tvi + ((g * 2 + v) * (kRK / 4) + q0) * 16;
-          auto vec = [&](int k) { return q0 + k < nq ? _mm512_load_si512(b + 16 * k) : _mm512_setzero_si512(); };
-          s[v] = cross_lanes(vec(0), vec(1), vec(2), vec(3));
-        }
         // the centred dots: 256 A + B and C (exact integers), then 256 (256 A + B) + C in float
-        s[0] = _mm512_sub_epi32(s[0], _mm512_set1_epi32(256 * off[0] + off[1]));
-        s[1] = _mm512_sub_epi32(s[1], _mm512_set1_epi32(off[2]));
-        const __m512 dq = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0]), _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(s[1]));
+        const __m512i sab = _mm512_sub_epi32(ab[g], _mm512_set1_epi32(256 * off[0] + off[1]));
+        const __m512i scc = _mm512_sub_epi32(cc[g], _mm512_set1_epi32(off[2]));
+        const __m512 dq = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sab), _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(scc));
         __m512 v = _mm512_mul_ps(_mm512_mul_ps(dq, _mm512_set1_ps(vq.sq[(g0 + g) * ngk + gi])), ks);
         if (!SYM) v = _mm512_fmadd_ps(zk, _mm512_set1_ps(qsum[(size_t)(g0 + g) * ngk + gi]), v);
-        float* tg = tot[g] + i0;
-        _mm512_store_ps(tg, gi ? _mm512_add_ps(_mm512_load_ps(tg), v) : v);
+        tot[g] = gi ? _mm512_add_ps(tot[g], v) : v;
       }
     }
+    for (int g = 0; g < GN; ++g)
+      _mm512_mask_storeu_ps(sc + (size_t)(g0 + g) * ldsc + i0, live, _mm512_mul_ps(tot[g], _mm512_set1_ps(scale)));
   }
-  for (int g = 0; g < GN; ++g)
-    for (int i0 = 0; i0 < n; i0 += 16)
-      _mm512_mask_storeu_ps(sc + (size_t)(g0 + g) * ldsc + i0, first_n(n - i0),
-                            _mm512_mul_ps(_mm512_load_ps(tot[g] + i0), _mm512_set1_ps(scale)));
 }
 
 // ---- V accumulation ----------------------------------------------------------------------------
@@ -565,10 +583,9 @@ struct Avx512Ops {
     }
     if (use_vnni(r.k_bits, r.k_group)) {
       const VnniQ vq(q, G, r.D, r.D / r.k_group);
-      alignas(64) int32_t tvi[4 * 2 * (kRK / 4) * 16];
       impl::for_head_tiles(G, [&](auto gn, int g0) {
-        r.k_sym ? scores_vnni<true, decltype(gn)::value>(r, vq, g0, qsum, scale, sc, ldsc, tvi)
-                : scores_vnni<false, decltype(gn)::value>(r, vq, g0, qsum, scale, sc, ldsc, tvi);
+        r.k_sym ? scores_vnni<true, decltype(gn)::value>(r, vq, g0, qsum, scale, sc, ldsc)
+                : scores_vnni<false, decltype(gn)::value>(r, vq, g0, qsum, scale, sc, ldsc);
       });
       return;
     }
