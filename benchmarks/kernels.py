@@ -596,8 +596,9 @@ def pivot(rows) -> str:
     for (hq, hkv, d, ctx, thr), c in cells.items():
         ours = c.get("pagedkv-ort")
         ratio = lambda ref: f"{ours['ms'] / c[ref]['ms']:.2f}" if ours and ref in c else "-"  # noqa: E731
-        vals = [f"{c[i]['ms']:.3f}" if c[i]["ms"] < 10 else f"{c[i]['ms']:.2f}" if i in c else "-" for i in impls]
-        lines.append(f"| {hq}/{hkv}/{d} | {ctx // 1024}K | {thr} | " + " | ".join(vals)
+        vals = ["-" if i not in c else f"{c[i]['ms']:.3f}" if c[i]["ms"] < 10 else f"{c[i]['ms']:.2f}" for i in impls]
+        ctx_s = f"{ctx // 1024}K" if ctx % 1024 == 0 else str(ctx)
+        lines.append(f"| {hq}/{hkv}/{d} | {ctx_s} | {thr} | " + " | ".join(vals)
                      + f" | {ratio('gqa-int8')} | {ratio('gqa-fp32')} | "
                      + (f"{ours['bandwidth_fraction']:.2f}" if ours else "-") + " |")
     return "\n".join(lines)
