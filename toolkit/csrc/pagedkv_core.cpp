@@ -212,12 +212,7 @@ struct ScalarOps {
   static void f16_to_f32(const uint16_t* h, float* out, int n) {
     for (int i = 0; i < n; ++i) out[i] = fp16_to_fp32(h[i]);
   }
-  static void unpack4(const uint8_t* codes, int n, uint8_t* out) {
-    for (int i = 0; i < n / 2; ++i) {
-      out[2 * i] = codes[i] & 0x0f;
-      out[2 * i + 1] = codes[i] >> 4;
-    }
-  }
+  static void unpack4(const uint8_t* codes, int n, uint8_t* out) { unpack_codes(codes, 4, n, out); }
   static void dequant_u8(const uint8_t* u, const uint16_t* meta, int d, int group, bool sym, int bits, float* out) {
     const int ng = d / group;
     const float c = (float)(1 << (bits - 1));

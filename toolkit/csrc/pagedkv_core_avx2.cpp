@@ -191,22 +191,18 @@ void vacc_all(const QuantRun& r, const float* p, int ldp, int G, float* acc) {
   });
 }
 
-// exp for the softmax only (Cephes-style range reduction + degree-6 polynomial, ~1 ulp); x <= 0 here.
-// Below -87.3 the result is 0 (no subnormal probabilities: they would slow every FMA they touch).
+// exp for the softmax only (ExpConsts); x <= 0 here. Below ExpConsts::kMin the result is 0.
 inline __m256 exp256(__m256 x) {
-  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  using E = ExpConsts;
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(E::kMin), _CMP_GE_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(E::kMin));
+  x = _mm256_min_ps(x, _mm256_set1_ps(E::kMax));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(E::kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(E::kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(E::kLn2Lo), r);
+  __m256 y = _mm256_set1_ps(E::kP[0]);
+  for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(E::kP[i]));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
@@ -317,10 +313,7 @@ struct Avx2Ops {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm_unpacklo_epi8(lo, hi));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i + 16), _mm_unpackhi_epi8(lo, hi));
     }
-    for (; i + 1 < n; i += 2) {
-      out[i] = codes[i / 2] & 0x0f;
-      out[i + 1] = codes[i / 2] >> 4;
-    }
+    unpack_codes(codes + i / 2, 4, n - i, out + i);  // the rest
   }
   static void dequant_u8(const uint8_t* u, const uint16_t* meta, int d, int group, bool sym, int bits, float* out) {
     const int ng = d / group;

@@ -510,21 +510,17 @@ void vacc_tile(const QuantRun& r, const float* p, int ldp, float* acc) {
   if (j0 < D) vacc_pass<BITS, SYM, SPLIT, GN, 16>(r, coef, zt, j0, acc);
 }
 
-// exp for the softmax only (Cephes-style range reduction + degree-6 polynomial, ~1 ulp; the power of
-// two applied by vscalefps); x <= 0 here. Below -87.3 (or NaN) the result is 0 (no subnormal
-// probabilities).
+// exp for the softmax only (ExpConsts; the power of two applied by vscalefps); x <= 0 here. Below
+// ExpConsts::kMin (or NaN) the result is 0.
 inline __m512 exp512(__m512 x) {
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  using E = ExpConsts;
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(E::kMin), _CMP_GE_OQ);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(E::kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(E::kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(E::kLn2Lo), r);
+  __m512 y = _mm512_set1_ps(E::kP[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(E::kP[i]));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_maskz_scalef_ps(keep, y, n);
 }
@@ -701,13 +697,7 @@ struct Avx512Ops {
     }
   }
   static void f16_to_f32(const uint16_t* h, float* out, int n) { f16_to_f32_n(h, out, (size_t)n); }
-  static void unpack4(const uint8_t* codes, int n, uint8_t* out) {
-    int i = 0;
-    for (; i + 1 < n; i += 2) {
-      out[i] = codes[i / 2] & 0x0f;
-      out[i + 1] = codes[i / 2] >> 4;
-    }
-  }
+  static void unpack4(const uint8_t* codes, int n, uint8_t* out) { unpack_codes(codes, 4, n, out); }
   static void dequant_u8(const uint8_t* u, const uint16_t* meta, int d, int group, bool sym, int bits, float* out) {
     const int ng = d / group;
     const float c = (float)(1 << (bits - 1));

@@ -58,6 +58,17 @@ void attend_neon(const AttnContext& c, int t, int h, float* scratch);
 void attend_neon_dot(const AttnContext& c, int t, int h, float* scratch);
 #endif
 
+// The softmax exp of the SIMD paths (Cephes-style, ~1 ulp, for x <= 0): n = round(x * log2 e),
+// r = x - n * ln2 (ln2 in two parts), exp(r) = 1 + r + r^2 * (((((p0 r + p1) r + p2) r + p3) r + p4) r + p5),
+// times 2^n; below kMin the result is 0 (no subnormal probabilities: they slow every FMA they touch).
+// Paths that build 2^n from exponent bits first clamp x to [kMin, kMax].
+struct ExpConsts {
+  static constexpr float kMin = -87.3f, kMax = 88.3f, kLog2e = 1.44269504088896341f;
+  static constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  static constexpr float kP[6] = {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f,
+                                  4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f};
+};
+
 // Generic bit unpacking (any 2..8 bits): codes -> n unsigned values as bytes.
 void unpack_codes(const uint8_t* codes, int bits, int n, uint8_t* out);
 

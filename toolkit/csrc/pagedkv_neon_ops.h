@@ -53,10 +53,7 @@ struct NeonOps {
       vst1q_u8(out + i, z.val[0]);
       vst1q_u8(out + i + 16, z.val[1]);
     }
-    for (; i + 1 < n; i += 2) {
-      out[i] = codes[i / 2] & 0x0f;
-      out[i + 1] = codes[i / 2] >> 4;
-    }
+    unpack_codes(codes + i / 2, 4, n - i, out + i);  // the rest
   }
   static void dequant_u8(const uint8_t* u, const uint16_t* meta, int d, int group, bool sym, int bits, float* out) {
     const int ng = d / group;
@@ -164,21 +161,17 @@ void vacc_all(const QuantRun& r, const float* p, int ldp, int G, float* acc) {
   });
 }
 
-// exp for the softmax only (Cephes-style range reduction + degree-6 polynomial, ~1 ulp); x <= 0 here.
-// Below -87.3 the result is 0 (no subnormal probabilities).
+// exp for the softmax only (ExpConsts); x <= 0 here. Below ExpConsts::kMin the result is 0.
 inline float32x4_t exp_f32x4(float32x4_t x) {
-  const uint32x4_t keep = vcgeq_f32(x, vdupq_n_f32(-87.3f));
-  x = vmaxq_f32(x, vdupq_n_f32(-87.3f));
-  x = vminq_f32(x, vdupq_n_f32(88.3f));
-  const float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504088896341f)));
-  float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(0.693359375f));  // x - n * ln2, in two parts
-  r = vfmsq_f32(r, n, vdupq_n_f32(-2.12194440e-4f));
-  float32x4_t y = vdupq_n_f32(1.9875691500E-4f);
-  y = vfmaq_f32(vdupq_n_f32(1.3981999507E-3f), y, r);
-  y = vfmaq_f32(vdupq_n_f32(8.3334519073E-3f), y, r);
-  y = vfmaq_f32(vdupq_n_f32(4.1665795894E-2f), y, r);
-  y = vfmaq_f32(vdupq_n_f32(1.6666665459E-1f), y, r);
-  y = vfmaq_f32(vdupq_n_f32(5.0000001201E-1f), y, r);
+  using E = ExpConsts;
+  const uint32x4_t keep = vcgeq_f32(x, vdupq_n_f32(E::kMin));
+  x = vmaxq_f32(x, vdupq_n_f32(E::kMin));
+  x = vminq_f32(x, vdupq_n_f32(E::kMax));
+  const float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(E::kLog2e)));
+  float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(E::kLn2Hi));  // x - n * ln2, in two parts
+  r = vfmsq_f32(r, n, vdupq_n_f32(E::kLn2Lo));
+  float32x4_t y = vdupq_n_f32(E::kP[0]);
+  for (int i = 1; i < 6; ++i) y = vfmaq_f32(vdupq_n_f32(E::kP[i]), y, r);
   y = vfmaq_f32(vaddq_f32(r, vdupq_n_f32(1.f)), y, vmulq_f32(r, r));
   const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);  // 2^n
   return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(vmulq_f32(y, vreinterpretq_f32_s32(e))), keep));
