@@ -58,6 +58,12 @@ struct QuantRun {
   const int* seg_n;       // [nseg] records per segment
   const uint8_t* const* recs;  // [n] codes of each record
   const uint8_t* rec(int i) const { return recs[i]; }
+  // The blocks of the next run (kRunKeys Ops), for prefetching only: codes of its first block (null if
+  // none) and the fp16 scales of up to kMaxRunBlocks blocks.
+  const uint8_t* next_codes;
+  const uint16_t* const* next_meta;
+  int next_nseg;
+  size_t block_bytes, block_meta_bytes;  // one block's records: codes, scales
 };
 
 // Calls f(std::integral_constant<int, GN>(), g0) for the tiles g0 = 0, 4, 8, .. of the G query heads of
@@ -120,8 +126,12 @@ struct Attend {
   const uint8_t* pend_codes[kMaxRunBlocks];  // quantized blocks waiting for their run
   const uint16_t* pend_meta[kMaxRunBlocks];
   int pend_n[kMaxRunBlocks];
-  int pend = 0, pend_keys = 0;
+  int pend = 0, pend_keys = 0, cur_h = 0;
   const uint8_t* recs[kMaxRunKeys];  // the record pointers of a run (QuantRun::recs)
+  // where the pending blocks came from (the look-ahead of QuantRun::next_*)
+  const int64_t* pend_row = nullptr;
+  int64_t pend_last = -1, pend_end = -1;  // last block pended, last block of this walk
+  const uint16_t* next_meta[kMaxRunBlocks];
 
   Attend(const AttnContext& ctx, float* scratch)
       : c(ctx), P(*ctx.p), B(*ctx.b), D(ctx.p->D), G(ctx.G), bs(ctx.p->block_size) {
@@ -245,8 +255,21 @@ struct Attend {
       int n = 0;
       for (int s = 0; s < nseg; ++s)
         for (int i = 0; i < pend_n[s]; ++i) recs[n++] = pend_codes[s] + (size_t)i * W;
-      QuantRun r{pend_codes[0], pend_meta[0], W, (size_t)P.scale_width, n, D, P.k_bits, c.k_group, P.v_bits,
-                 c.v_group, P.k_sym, P.v_sym, c.kcb, c.ksc, metaf, nseg, pend_meta, pend_n, recs};
+      // the next run's blocks, if they are plain pool blocks of this walk
+      const size_t Ws = (size_t)P.scale_width, rec_h = (size_t)P.Hkv * bs, h = (size_t)cur_h;
+      const uint8_t* next_codes = nullptr;
+      int next_nseg = 0;
+      if (kRunKeys > 0)
+        for (int64_t b = pend_last + 1; b <= pend_end && next_nseg < kRunKeys / bs; ++b) {
+          const int64_t blk = pend_row[b];
+          if (blk < 0 || (c.use_tail && b == pend_end)) break;
+          const size_t rec0 = (size_t)blk * rec_h + h * bs;
+          if (!next_nseg) next_codes = static_cast<const uint8_t*>(B.codes) + rec0 * W;
+          next_meta[next_nseg++] = B.scales + rec0 * Ws;
+        }
+      QuantRun r{pend_codes[0], pend_meta[0], W, Ws, n, D, P.k_bits, c.k_group, P.v_bits,
+                 c.v_group, P.k_sym, P.v_sym, c.kcb, c.ksc, metaf, nseg, pend_meta, pend_n, recs,
+                 next_codes, next_meta, next_nseg, (size_t)bs * W, (size_t)bs * Ws * 2};
       Ops::q_scores(r, qk, qsum, G, P.scale, sc, ld);
       softmax(n);
       Ops::v_accum(r, sc, ld, G, acc);
@@ -254,8 +277,9 @@ struct Attend {
   }
 
   // a quantized block for the fused path: run now, or add it to the pending run
-  void quant_block(const uint8_t* codes, const uint16_t* meta, int n) {
+  void quant_block(const uint8_t* codes, const uint16_t* meta, int n, int64_t b) {
     if (kRunKeys > 0 && pend_keys + n > kRunKeys) flush_pending();
+    pend_last = b;
     pend_codes[pend] = codes, pend_meta[pend] = meta, pend_n[pend] = n;
     ++pend, pend_keys += n;
     if (kRunKeys == 0 || pend_keys + bs > kRunKeys || pend == kMaxRunBlocks) flush_pending();
@@ -355,6 +379,7 @@ struct Attend {
     const size_t W = (size_t)P.code_width, Ws = (size_t)P.scale_width;
     const size_t stage_head = (size_t)bs * D;
     const size_t stage_kv = (size_t)Hkv * stage_head;  // stride of the K|V dim
+    pend_row = row, pend_end = blast, cur_h = h;
     for (int64_t b = bfirst; b <= blast; ++b) {
       const int64_t first = b * bs;
       const int o0 = (int)(lo > first ? lo - first : 0);
@@ -390,7 +415,7 @@ struct Attend {
           const uint8_t* codes = static_cast<const uint8_t*>(B.codes) + rec0 * W;
           const uint16_t* meta = B.scales + rec0 * Ws;
           if (fast) {
-            quant_block(codes, meta, n);
+            quant_block(codes, meta, n, b);
           } else {
             run(n, [&](int i, int part) {
               return load_quant(codes + (size_t)i * W, meta + (size_t)i * Ws, part, part ? vrow : krow);

@@ -30,6 +30,21 @@ constexpr int kRK = kMaxRunKeys;  // keys per run (Ops::kRunKeys): four blocks o
 
 inline __mmask16 first_n(int n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u); }
 
+// Loads / stores of the keys k of a row of scores or probabilities: plain when all 16 lanes are live.
+// Masked stores do not forward to later loads (they wait for the store to commit), and the scores,
+// softmax and V passes read each other's rows right away: with masked forms for full vectors the passes
+// could not overlap (measured: ~20% of the step).
+inline __m512 load_keys(const float* x, __mmask16 k, __m512 fill) {
+  return k == 0xffff ? _mm512_loadu_ps(x) : _mm512_mask_loadu_ps(fill, k, x);
+}
+inline void store_keys(float* x, __mmask16 k, __m512 v) {
+  if (k == 0xffff) {
+    _mm512_storeu_ps(x, v);
+  } else {
+    _mm512_mask_storeu_ps(x, k, v);
+  }
+}
+
 // ---- K scores ------------------------------------------------------------------------------------
 
 // 16 codes of a record (dims j..j+15) as floats: u - 2^(b-1) when SYM (exact small integers), else u.
@@ -166,7 +181,7 @@ void scores_tile(const QuantRun& r, const float* q, const float* qsum, float sca
         }
         s = _mm512_add_ps(s, _mm512_load_ps(zq));
       }
-      _mm512_mask_storeu_ps(sc + (size_t)g * ldsc + i0, first_n(cnt), s);
+      store_keys(sc + (size_t)g * ldsc + i0, first_n(cnt), s);
     }
   }
 }
@@ -316,12 +331,44 @@ __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r
   const int D = r.D, kg = r.k_group, ngk = D / kg, nrow = D / 64, n = r.n;
   const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32((int)r.Ws));
+  // 16 keys inside one segment (block) are rows base + k W: no per-key pointers
+  int sg = 0, s0 = 0;  // the segment of key i0 and its first key
+  auto flat_at = [&](int i) {
+    int g = sg, f = s0;
+    while (i >= f + r.seg_n[g]) f += r.seg_n[g++];
+    return i + 16 <= f + r.seg_n[g];
+  };
   for (int i0 = 0; i0 < n; i0 += 16) {
     const __mmask16 live = first_n(n - i0);
+    while (i0 >= s0 + r.seg_n[sg]) s0 += r.seg_n[sg++];
+    const bool flat = i0 + 16 <= s0 + r.seg_n[sg];
+    const uint8_t* base = r.rec(i0);
+    const size_t W = r.W;
     const uint8_t* cp[16];
-    for (int k = 0; k < 16; ++k) cp[k] = r.rec(std::min(i0 + k, n - 1));  // pad with the last key
-    for (int k = i0 + 16; k < std::min(i0 + 32, n); ++k)
-      for (int o = 0; o < D; o += 64) _mm_prefetch(reinterpret_cast<const char*>(r.rec(k)) + o, _MM_HINT_T0);
+    if (!flat)
+      for (int k = 0; k < 16; ++k) cp[k] = r.rec(std::min(i0 + k, n - 1));  // pad with the last key
+    {  // the next run's scales: one block per chunk, the rest with the last chunk
+      const int c = i0 / 16, last = i0 + 16 >= n;
+      for (int b = c; b < (last ? r.next_nseg : std::min(c + 1, r.next_nseg)); ++b) {
+        const char* pm = reinterpret_cast<const char*>(r.next_meta[b]);
+        for (size_t o = 0; o < r.block_meta_bytes; o += 64) _mm_prefetch(pm + o, _MM_HINT_T0);
+        _mm_prefetch(pm + r.block_meta_bytes - 1, _MM_HINT_T0);
+      }
+      if (last && r.next_codes)  // the next run's first block
+        for (size_t o = 0; o < r.block_bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(r.next_codes) + o, _MM_HINT_T0);
+    }
+    if (i0 + 16 < n) {  // the next 16 keys' records, every line
+      if (i0 + 32 <= n && flat_at(i0 + 16)) {
+        const char* nb = reinterpret_cast<const char*>(r.rec(i0 + 16));
+        for (size_t o = 0; o < 16 * W; o += 64) _mm_prefetch(nb + o, _MM_HINT_T0);
+      } else {
+        for (int k = i0 + 16; k < std::min(i0 + 32, n); ++k) {
+          const char* rk = reinterpret_cast<const char*>(r.rec(k));
+          for (size_t o = 0; o < W; o += 64) _mm_prefetch(rk + o, _MM_HINT_T0);
+          _mm_prefetch(rk + W - 1, _MM_HINT_T0);
+        }
+      }
+    }
     const float* m0 = r.metaf + (size_t)i0 * r.Ws;
     __m512 tot[GN];
     for (int gi = 0; gi < ngk; ++gi) {
@@ -329,7 +376,11 @@ __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r
       for (int g = 0; g < GN; ++g) ab[g] = cc[g] = _mm512_setzero_si512();
       for (int row = gi * kg / 64; row < (gi + 1) * kg / 64; ++row) {
         __m512i x[16], u[16];
-        for (int k = 0; k < 16; ++k) x[k] = _mm512_loadu_si512(cp[k] + 64 * row);
+        if (flat) {
+          for (int k = 0; k < 16; ++k) x[k] = _mm512_loadu_si512(base + k * W + 64 * row);
+        } else {
+          for (int k = 0; k < 16; ++k) x[k] = _mm512_loadu_si512(cp[k] + 64 * row);
+        }
         transpose16(x, u);
         const int32_t* ql[GN];
         for (int g = 0; g < GN; ++g)
@@ -356,7 +407,7 @@ __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r
       }
     }
     for (int g = 0; g < GN; ++g)
-      _mm512_mask_storeu_ps(sc + (size_t)(g0 + g) * ldsc + i0, live, _mm512_mul_ps(tot[g], _mm512_set1_ps(scale)));
+      store_keys(sc + (size_t)(g0 + g) * ldsc + i0, live, _mm512_mul_ps(tot[g], _mm512_set1_ps(scale)));
   }
 }
 
@@ -482,7 +533,7 @@ void vacc_tile(const QuantRun& r, const float* p, int ldp, float* acc) {
       float* cf = coef + ((size_t)g * 32 + k) * kRK;
       __m512 pz = _mm512_setzero_ps();
       for (int ch = 0; ch < nch; ++ch) {
-        const __m512 pc = _mm512_maskz_loadu_ps(mk[ch], pg + 16 * ch);
+        const __m512 pc = load_keys(pg + 16 * ch, mk[ch], _mm512_setzero_ps());
         _mm512_store_ps(cf + 16 * ch, _mm512_mul_ps(pc, sv[ch]));
         if (!SYM) pz = _mm512_fmadd_ps(pc, zv[ch], pz);
       }
@@ -628,8 +679,8 @@ struct Avx512Ops {
     auto row = [&](int g) {
       if (g >= G) return fill;
       const float* xg = x + (size_t)g * ldx;
-      __m512 a = _mm512_mask_loadu_ps(fill, first_n(n), xg);
-      for (int i = 16; i < n; i += 16) a = op(a, _mm512_mask_loadu_ps(fill, first_n(n - i), xg + i));
+      __m512 a = load_keys(xg, first_n(n), fill);
+      for (int i = 16; i < n; i += 16) a = op(a, load_keys(xg + i, first_n(n - i), fill));
       return a;
     };
     for (int g0 = 0; g0 < G; g0 += 4) {
@@ -639,7 +690,9 @@ struct Avx512Ops {
       const __m512 c = op(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xee));  // [r0 r1 r2 r3] per lane
       const __m512 d = op(c, _mm512_shuffle_f32x4(c, c, 0x4e));
       const __m512 e = op(d, _mm512_shuffle_f32x4(d, d, 0xb1));
-      _mm_mask_storeu_ps(out + g0, (__mmask8)((1u << std::min(4, G - g0)) - 1u), _mm512_castps512_ps128(e));
+      alignas(16) float t[4];  // a plain store: the caller reads out right away (see store_keys)
+      _mm_store_ps(t, _mm512_castps512_ps128(e));
+      for (int g = g0; g < std::min(g0 + 4, G); ++g) out[g] = t[g - g0];
     }
   }
   static void row_max(const float* sc, int ldsc, int G, int n, float* out) { rows_reduce<true>(sc, ldsc, G, n, out); }
@@ -649,7 +702,7 @@ struct Avx512Ops {
       const __m512 vm = _mm512_set1_ps(m[g]);
       for (int i = 0; i < n; i += 16) {
         const __mmask16 k = first_n(n - i);
-        _mm512_mask_storeu_ps(x + i, k, _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vm))));
+        store_keys(x + i, k, _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(load_keys(x + i, k, _mm512_setzero_ps()), vm))));
       }
     }
     rows_reduce<false>(sc, ldsc, G, n, sum);
