@@ -26,7 +26,8 @@ _unsafe_reset_threadpool, our kernel PAGEDKV_NUM_THREADS (read by the core on ev
 "bytes" is what the step must read from the KV cache (codes + fp16 scales/zeros, fp16 sink/tail
 stage for ours; the whole cache for the others); bandwidth_fraction = bytes / ms / the machine's
 memory read bandwidth with the same number of threads, measured here with numpy (best of max/sum over
-a 512 MiB array split across the threads). Note: at these sizes the caches may partly live in the
+a 512 MiB array split across the threads; measured before and after the cells, the higher of the two
+counts). Note: at these sizes the caches may partly live in the
 CPU's last-level cache, so a fraction above 1 is possible.
 Writes benchmarks/results/kernels.json (rows) and prints a markdown table.
 """
@@ -504,10 +505,15 @@ def main(argv=None) -> int:
     rounds = args.rounds or (3 if args.quick else 15)
     target = args.slice or (0.02 if args.quick else 0.03)
 
-    bw = measure_bandwidth(tuple(args.threads), 256 if args.quick else 512)
-    print(f"memory read bandwidth (numpy, {bw['array_mib']} MiB): "
-          + ", ".join(f"{n} thread(s) {g:.1f} GB/s" for n, g in bw["read_gbs"].items())
-          + f"; copy {bw['copy_gbs']:.1f} GB/s", flush=True)
+    # measured before and after the cells; the higher of the two is the denominator (it moves by up to
+    # ~15% between runs here, and the higher one gives the lower, conservative, fractions)
+    def show_bw(b, when):
+        print(f"memory read bandwidth {when} (numpy, {b['array_mib']} MiB): "
+              + ", ".join(f"{n} thread(s) {g:.1f} GB/s" for n, g in b["read_gbs"].items())
+              + f"; copy {b['copy_gbs']:.1f} GB/s", flush=True)
+
+    bw_before = measure_bandwidth(tuple(args.threads), 256 if args.quick else 512)
+    show_bw(bw_before, "before")
     paths = core_paths() if "core-paths" in args.impls else []
     rows = []
     for dims in args.dims:
@@ -540,15 +546,18 @@ def main(argv=None) -> int:
                 for impl, m in ms.items():
                     b = sizes[impl]
                     rows.append(dict(impl=impl, ctx=ctx, threads=n, q_heads=hq, kv_heads=hkv, head_dim=d, ms=round(m, 4),
-                                     bandwidth_fraction=round(b / (m * 1e-3) / (bw["read_gbs"][n] * 1e9), 4),
                                      bytes=int(b), gb_s=round(b / (m * 1e-3) / 1e9, 2)))
                 print(f"  {dims} ctx {ctx} threads {n}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()),
                       flush=True)
             del runners
             print(f"  ({time.time() - t0:.0f}s)", flush=True)
 
+    bw_after = measure_bandwidth(tuple(args.threads), 256 if args.quick else 512)
+    show_bw(bw_after, "after")
+    bw = dict(bw_after, read_gbs={n: max(bw_before["read_gbs"][n], bw_after["read_gbs"][n]) for n in args.threads})
     for r in rows:
         r["mem_read_gbs"] = round(bw["read_gbs"][r["threads"]], 2)
+        r["bandwidth_fraction"] = round(r["bytes"] / (r["ms"] * 1e-3) / (bw["read_gbs"][r["threads"]] * 1e9), 4)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1) + "\n")
     print()
@@ -561,7 +570,7 @@ def markdown(rows, bw) -> str:
     import onnxruntime
 
     lines = [f"One decode step (T=1), {platform.machine()}, {os.cpu_count()} cores, onnxruntime "
-             f"{onnxruntime.__version__}; memory read bandwidth (numpy) "
+             f"{onnxruntime.__version__}; memory read bandwidth (numpy, the higher of before and after the cells) "
              + ", ".join(f"{n} thread(s) {g:.1f} GB/s" for n, g in bw["read_gbs"].items()) + ". "
              "ms = median; x = time / gqa-fp32, xi8 = time / gqa-int8; bw = fraction of the memory bandwidth "
              "measured with the same thread count.",
