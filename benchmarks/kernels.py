@@ -27,8 +27,8 @@ _unsafe_reset_threadpool, our kernel PAGEDKV_NUM_THREADS (read by the core on ev
 stage for ours; the whole cache for the others); bandwidth_fraction = bytes / ms / the machine's
 memory read bandwidth with the same number of threads, measured here with numpy (best of max/sum over
 a 512 MiB array split across the threads; measured before and after the cells, the higher of the two
-counts). Note: at these sizes the caches may partly live in the
-CPU's last-level cache, so a fraction above 1 is possible.
+counts). Note: at these sizes the caches may partly live in the CPU's last-level cache, so a fraction
+above 1 is possible.
 Writes benchmarks/results/kernels.json (rows) and prints a markdown table.
 """
 
