@@ -337,7 +337,7 @@ __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r
                                           _mm512_set1_epi32((int)r.Ws));
   // 16 keys inside one segment (block) are rows base + k W: no per-key pointers
   int sg = 0, s0 = 0;  // the segment of key i0 and its first key
-  auto flat_at = [&](int i) {
+  auto flat_at = [&](int i) {  // keys i..i+15 in one segment (i >= s0)
     int g = sg, f = s0;
     while (i >= f + r.seg_n[g]) f += r.seg_n[g++];
     return i + 16 <= f + r.seg_n[g];
@@ -345,7 +345,7 @@ __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r
   for (int i0 = 0; i0 < n; i0 += 16) {
     const __mmask16 live = first_n(n - i0);
     while (i0 >= s0 + r.seg_n[sg]) s0 += r.seg_n[sg++];
-    const bool flat = i0 + 16 <= s0 + r.seg_n[sg];
+    const bool flat = flat_at(i0);
     const uint8_t* base = r.rec(i0);
     const size_t W = r.W;
     const uint8_t* cp[16];
