@@ -19,6 +19,9 @@ et-custom-sdpa in its own group right after the others of the same cell, see ISO
                  use the best one), from toolkit/csrc/pagedkv_core_bench, run right after the others
   core-hot       the best path again with the block table cycling over 8 blocks (BENCH_HOT_BLOCKS=8):
                  the same work with the pool in L1/L2, i.e. the step without cache misses
+  core-walk      no attention: the same pool bytes read in the kernel's order (per KV head, the table's
+                 shuffled blocks) with plain loads and no arithmetic (BENCH_WALK=1), split over the threads:
+                 the memory floor of the step's access pattern
 
 Threads: onnxruntime intra_op_num_threads (one session per count, allow_spinning=0), ExecuTorch
 _unsafe_reset_threadpool, our kernel PAGEDKV_NUM_THREADS (read by the core on every call).
@@ -423,15 +426,20 @@ def core_paths() -> list:
     return [p for p in out.split() if p != "scalar"]
 
 
-def core_bench(path, hq, hkv, d, ctx, threads, reps=None, hot_blocks=0):
+def core_bench(path, hq, hkv, d, ctx, threads, reps=None, hot_blocks=0, walk=False):
     """(median ms, bytes) of one decode step of the core alone on one code path (toolkit/csrc/
     pagedkv_core_bench: the default spec, random codes, shuffled blocks; hot_blocks > 0: the block table
-    cycles over that many blocks, so the pool stays in the nearest caches)."""
+    cycles over that many blocks, so the pool stays in the nearest caches; walk: only the reads of the
+    step's pool bytes, in its order, no attention)."""
     import re
     import subprocess
 
     reps = reps or max(20, min(400, int(2e6 / ctx)))
-    env = dict(os.environ, BENCH_HOT_BLOCKS=str(hot_blocks)) if hot_blocks else None
+    env = dict(os.environ)
+    if hot_blocks:
+        env["BENCH_HOT_BLOCKS"] = str(hot_blocks)
+    if walk:
+        env["BENCH_WALK"] = "1"
     out = subprocess.run([str(_core_bench_exe()), str(ctx), str(hq), str(hkv), str(d), str(threads), str(reps), path],
                          capture_output=True, text=True, check=True, env=env).stdout
     m = re.search(r"([\d.]+) ms .* bytes (\d+)", out)
@@ -543,6 +551,7 @@ def main(argv=None) -> int:
                     ms[f"core-{path}"], sizes[f"core-{path}"] = core_bench(path, hq, hkv, d, ctx, n)
                 if paths:  # the best path (--paths lists the plainest first) over 8 repeated blocks: no cache misses
                     ms["core-hot"], sizes["core-hot"] = core_bench(paths[-1], hq, hkv, d, ctx, n, hot_blocks=8)
+                    ms["core-walk"], sizes["core-walk"] = core_bench(paths[-1], hq, hkv, d, ctx, n, walk=True)
                 for impl, m in ms.items():
                     b = sizes[impl]
                     rows.append(dict(impl=impl, ctx=ctx, threads=n, q_heads=hq, kv_heads=hkv, head_dim=d, ms=round(m, 4),

@@ -5,21 +5,91 @@
 //   pagedkv_core_bench [ctx=16384] [Hq=9] [Hkv=3] [D=64] [threads=1] [reps=200] [path: avx2|avx512|...]
 //   pagedkv_core_bench --paths      the code paths available on this CPU
 // Env: BENCH_SEQUENTIAL=1 blocks in order; BENCH_HOT_BLOCKS=n the table cycles over n blocks (with n = 8
-// the pool stays in L1/L2: the step without cache misses).
+// the pool stays in L1/L2: the step without cache misses). BENCH_WALK=1: no attention, the memory floor of
+// the step: the same pool bytes read in the kernel's order (per KV head, the table's blocks: their records'
+// codes and scales) with plain loads and no arithmetic on them, split evenly over the threads.
 // "bytes" = what the step reads from the KV cache: codes + fp16 scales of the quantized keys, fp16 rows
 // of the sink block and of the tail (same count as benchmarks/kernels.py).
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "pagedkv_core.h"
 
 using namespace pagedkv;
+
+namespace {
+
+// Sum of the 8-byte words of n bytes (n a multiple of 32), four independent sums (memcpy: plain loads)
+inline uint64_t word(const char* c) {
+  uint64_t w;
+  std::memcpy(&w, c, 8);
+  return w;
+}
+uint64_t read_words(const void* p, size_t n) {
+  const char* c = static_cast<const char*>(p);
+  uint64_t a = 0, b = 0, d = 0, e = 0;
+  for (size_t i = 0; i < n; i += 32) a += word(c + i), b += word(c + i + 8), d += word(c + i + 16), e += word(c + i + 24);
+  return a + b + d + e;
+}
+
+// BENCH_WALK: for the items [i0, i1) of the (KV head, block) walk, read each block's records for the head
+uint64_t walk_items(const PagedAttnParams& p, const uint8_t* codes, const uint16_t* scales, const int64_t* table,
+                    int nblk, int64_t i0, int64_t i1) {
+  const size_t bs = p.block_size, W = p.code_width, Ws = p.scale_width;
+  uint64_t sum = 0;
+  for (int64_t i = i0; i < i1; ++i) {
+    const int h = (int)(i / nblk);
+    const size_t rec0 = ((size_t)table[i % nblk] * p.Hkv + h) * bs;
+    sum += read_words(codes + rec0 * W, bs * W);
+    sum += read_words(scales + rec0 * Ws, bs * Ws * 2);
+  }
+  return sum;
+}
+
+// A helper thread for the walk with 2+ threads: spins on a generation counter (bench only)
+struct WalkPool {
+  std::vector<std::thread> th;
+  std::atomic<int> gen{0}, done{0};
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> sink{0};
+  WalkPool(int n, const std::function<uint64_t(int)>& part) {
+    for (int t = 1; t < n; ++t)
+      th.emplace_back([this, t, part] {
+        int seen = 0;
+        for (;;) {
+          while (gen.load(std::memory_order_acquire) == seen && !stop.load()) {
+          }
+          if (stop.load()) return;
+          seen = gen.load();
+          sink.fetch_add(part(t));
+          done.fetch_add(1, std::memory_order_release);
+        }
+      });
+  }
+  uint64_t run(const std::function<uint64_t(int)>& part) {
+    done.store(0);
+    gen.fetch_add(1, std::memory_order_release);
+    const uint64_t s = part(0);
+    while (done.load(std::memory_order_acquire) < (int)th.size()) {
+    }
+    return s;
+  }
+  ~WalkPool() {
+    stop.store(true);
+    for (auto& t : th) t.join();
+  }
+};
+
+}  // namespace
 
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "--paths") == 0) {
@@ -69,6 +139,26 @@ int main(int argc, char** argv) {
   const int64_t keys = ctx + 1, tail = keys % bs ? keys % bs : bs, fp16 = bs + tail;
   const int64_t bytes = Hkv * ((keys - fp16) * (p.code_width + 2 * (int64_t)p.scale_width) + fp16 * 2 * 2 * D);
   set_num_threads(threads);
+  if (std::getenv("BENCH_WALK")) {
+    const int64_t items = (int64_t)Hkv * M;
+    const auto part = [&](int t) {
+      return walk_items(p, codes.data(), scales.data(), table.data(), M, items * t / threads, items * (t + 1) / threads);
+    };
+    WalkPool wp(threads, part);
+    uint64_t sum = 0;
+    std::vector<double> ts;
+    for (int i = 0; i < reps + 5; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      sum += wp.run(part);
+      if (i >= 5) ts.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(ts.begin(), ts.end());
+    const double ms = ts[ts.size() / 2];
+    std::printf("%-13s ctx %6d Hq %2d Hkv %d D %3d threads %d: %8.4f ms  %6.2f GB/s  (checksum %llu)  bytes %lld\n",
+                "walk", ctx, Hq, Hkv, D, threads, ms, bytes / ms / 1e6, (unsigned long long)(sum + wp.sink.load()) % 997,
+                (long long)bytes);
+    return 0;
+  }
   std::vector<float> ref;
   for (Isa isa : kAllIsas) {
     if (!isa_available(isa) || (only ? std::strcmp(only, isa_name(isa)) != 0 : isa == Isa::kScalar && ctx > 4096))
