@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -38,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from kernels import _core_bench_exe, core_paths  # noqa: E402
+from kernels import core_bench_cmd, core_paths, parse_core_bench  # noqa: E402
 
 PHASES = (
     ("K scores", re.compile(r"scores_|q_scores|q_prepare")),
@@ -55,13 +54,6 @@ def phase_of(symbol: str) -> str:
         if pat.search(symbol):
             return name
     return "rest"
-
-
-def bench_ms(out: str) -> float:
-    m = re.search(r"([\d.]+) ms", out)
-    if not m:
-        raise RuntimeError(f"unexpected pagedkv_core_bench output: {out!r}")
-    return float(m.group(1))
 
 
 def samples(cmd: list, env: dict) -> tuple:
@@ -82,15 +74,17 @@ def samples(cmd: list, env: dict) -> tuple:
     return run.stdout, counts
 
 
-def profile(exe: Path, path: str, hq: int, hkv: int, d: int, ctx: int, threads: int, seconds: float, hot: bool) -> dict:
+def profile(path: str, hq: int, hkv: int, d: int, ctx: int, threads: int, seconds: float, hot: bool) -> dict:
     """Phase shares of the step: the samples of a run with ~`seconds` of steps minus those of a run with
     one step (the bench's set-up: random pool, page faults), per symbol."""
-    env = dict(os.environ, **({"BENCH_HOT_BLOCKS": "8"} if hot else {}))
-    base = [str(exe), str(ctx), str(hq), str(hkv), str(d), str(threads)]
-    calib = subprocess.run(base + ["20", path], capture_output=True, text=True, check=True, env=env).stdout
-    reps = max(20, int(seconds * 1e3 / bench_ms(calib)))
-    out, full = samples(base + [str(reps), path], env)
-    _, setup = samples(base + ["1", path], env)
+    def cmd(reps):
+        return core_bench_cmd(path, hq, hkv, d, ctx, threads, reps, hot_blocks=8 if hot else 0)
+
+    argv, env = cmd(20)
+    calib = subprocess.run(argv, capture_output=True, text=True, check=True, env=env).stdout
+    reps = max(20, int(seconds * 1e3 / parse_core_bench(calib)[0]))
+    out, full = samples(*cmd(reps))
+    _, setup = samples(*cmd(1))
     step = {sym: max(0, n - setup.get(sym, 0)) for sym, n in full.items() if STEP.search(sym)}
     by_phase = {p: 0 for p in NAMES}
     for sym, n in step.items():
@@ -98,7 +92,7 @@ def profile(exe: Path, path: str, hq: int, hkv: int, d: int, ctx: int, threads: 
     total = sum(by_phase.values())
     if total <= 0:
         raise RuntimeError("perf recorded no samples of the step")
-    ms = bench_ms(out)
+    ms = parse_core_bench(out)[0]
     return {"step_ms": ms, "reps": reps, "samples": total, "share": {p: round(by_phase[p] / total, 4) for p in NAMES},
             "ms": {p: round(ms * by_phase[p] / total, 4) for p in NAMES}}
 
@@ -116,26 +110,24 @@ def main(argv=None) -> int:
         print("perf is not installed: install linux-perf (Debian) or linux-tools-$(uname -r) (Ubuntu)",
               file=sys.stderr)
         return 2
-    exe = _core_bench_exe()
     path = args.path or core_paths()[-1]
     rows = []
     for dims in args.dims:
         hq, hkv, d = (int(x) for x in dims.split("/"))
         for hot in (False, True):
-            r = profile(exe, path, hq, hkv, d, args.ctx, args.threads, args.seconds, hot)
+            r = profile(path, hq, hkv, d, args.ctx, args.threads, args.seconds, hot)
             rows.append(dict(path=path, dims=dims, ctx=args.ctx, threads=args.threads, pool="hot" if hot else "pool",
                              **r))
             print(f"  {dims} ctx {args.ctx} {'hot ' if hot else 'pool'}: {r['step_ms']:.3f} ms  "
                   + ", ".join(f"{p} {s:.0%}" for p, s in r["share"].items()), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1) + "\n")
-    names = NAMES
     print()
-    print("| dims q/kv/d | ctx | threads | pool | step ms | " + " | ".join(f"{p} ms (share)" for p in names) + " |")
-    print("|---|---:|---:|---|---:|" + "---:|" * len(names))
+    print("| dims q/kv/d | ctx | threads | pool | step ms | " + " | ".join(f"{p} ms (share)" for p in NAMES) + " |")
+    print("|---|---:|---:|---|---:|" + "---:|" * len(NAMES))
     for r in rows:
         print(f"| {r['dims']} | {r['ctx']} | {r['threads']} | {r['pool']} | {r['step_ms']:.3f} | "
-              + " | ".join(f"{r['ms'][p]:.3f} ({r['share'][p]:.0%})" for p in names) + " |")
+              + " | ".join(f"{r['ms'][p]:.3f} ({r['share'][p]:.0%})" for p in NAMES) + " |")
     print(f"\nwrote {args.json}")
     return 0
 

@@ -426,26 +426,37 @@ def core_paths() -> list:
     return [p for p in out.split() if p != "scalar"]
 
 
-def core_bench(path, hq, hkv, d, ctx, threads, reps=None, hot_blocks=0, walk=False):
-    """(median ms, bytes) of one decode step of the core alone on one code path (toolkit/csrc/
-    pagedkv_core_bench: the default spec, random codes, shuffled blocks; hot_blocks > 0: the block table
-    cycles over that many blocks, so the pool stays in the nearest caches; walk: only the reads of the
-    step's pool bytes, in its order, no attention)."""
-    import re
-    import subprocess
-
-    reps = reps or max(20, min(400, int(2e6 / ctx)))
+def core_bench_cmd(path, hq, hkv, d, ctx, threads, reps, hot_blocks=0, walk=False):
+    """(argv, env) of one toolkit/csrc/pagedkv_core_bench run (see core_bench)."""
     env = dict(os.environ)
     if hot_blocks:
         env["BENCH_HOT_BLOCKS"] = str(hot_blocks)
     if walk:
         env["BENCH_WALK"] = "1"
-    out = subprocess.run([str(_core_bench_exe()), str(ctx), str(hq), str(hkv), str(d), str(threads), str(reps), path],
-                         capture_output=True, text=True, check=True, env=env).stdout
+    argv = [str(_core_bench_exe()), str(ctx), str(hq), str(hkv), str(d), str(threads), str(reps), path]
+    return argv, env
+
+
+def parse_core_bench(out: str) -> tuple:
+    """(median ms, bytes) from pagedkv_core_bench's output line."""
+    import re
+
     m = re.search(r"([\d.]+) ms .* bytes (\d+)", out)
     if not m:
         raise RuntimeError(f"unexpected pagedkv_core_bench output: {out!r}")
     return float(m.group(1)), int(m.group(2))
+
+
+def core_bench(path, hq, hkv, d, ctx, threads, reps=None, hot_blocks=0, walk=False):
+    """(median ms, bytes) of one decode step of the core alone on one code path (toolkit/csrc/
+    pagedkv_core_bench: the default spec, random codes, shuffled blocks; hot_blocks > 0: the block table
+    cycles over that many blocks, so the pool stays in the nearest caches; walk: only the reads of the
+    step's pool bytes, in its order, no attention)."""
+    import subprocess
+
+    reps = reps or max(20, min(400, int(2e6 / ctx)))
+    argv, env = core_bench_cmd(path, hq, hkv, d, ctx, threads, reps, hot_blocks, walk)
+    return parse_core_bench(subprocess.run(argv, capture_output=True, text=True, check=True, env=env).stdout)
 
 
 def build(impl, hq, hkv, d, ctx, threads, seed=0):

@@ -256,14 +256,14 @@ struct Attend {
       for (int s = 0; s < nseg; ++s)
         for (int i = 0; i < pend_n[s]; ++i) recs[n++] = pend_codes[s] + (size_t)i * W;
       // the next run's blocks, if they are plain pool blocks of this walk
-      const size_t Ws = (size_t)P.scale_width, rec_h = (size_t)P.Hkv * bs, h = (size_t)cur_h;
+      const size_t Ws = (size_t)P.scale_width;
       const uint8_t* next_codes = nullptr;
       int next_nseg = 0;
       if (kRunKeys > 0)
         for (int64_t b = pend_last + 1; b <= pend_end && next_nseg < kRunKeys / bs; ++b) {
           const int64_t blk = pend_row[b];
           if (blk < 0 || (c.use_tail && b == pend_end)) break;
-          const size_t rec0 = (size_t)blk * rec_h + h * bs;
+          const size_t rec0 = block_rec(blk, cur_h);
           if (!next_nseg) next_codes = static_cast<const uint8_t*>(B.codes) + rec0 * W;
           next_meta[next_nseg++] = B.scales + rec0 * Ws;
         }
@@ -288,6 +288,9 @@ struct Attend {
     if (pend) run_quant(pend);
     pend = pend_keys = 0;
   }
+
+  // the first record of KV head h in pool block blk
+  size_t block_rec(int64_t blk, int h) const { return ((size_t)blk * P.Hkv + h) * bs; }
 
   const float* f16row(const uint16_t* h, float* dst) {
     Ops::f16_to_f32(h, dst, D);
@@ -410,7 +413,7 @@ struct Attend {
       } else {
         const int64_t blk = row[b];
         if (blk < 0) continue;
-        const size_t rec0 = ((size_t)blk * Hkv + h) * bs + o0;
+        const size_t rec0 = block_rec(blk, h) + o0;
         if (c.quantized) {
           const uint8_t* codes = static_cast<const uint8_t*>(B.codes) + rec0 * W;
           const uint16_t* meta = B.scales + rec0 * Ws;

@@ -28,6 +28,13 @@ using impl::QuantRun;
 inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 constexpr int kRK = kMaxRunKeys;  // keys per run (Ops::kRunKeys): four blocks of 16 tokens
 
+// prefetch every cache line of [p, p + bytes) into L1
+inline void prefetch_lines(const void* p, size_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+  _mm_prefetch(c + bytes - 1, _MM_HINT_T0);
+}
+
 inline __mmask16 first_n(int n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u); }
 
 // Loads / stores of the keys k of a row of scores or probabilities: plain when all 16 lanes are live.
@@ -353,11 +360,8 @@ __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r
       for (int k = 0; k < 16; ++k) cp[k] = r.rec(std::min(i0 + k, n - 1));  // pad with the last key
     {  // the next run's scales: one block per chunk, the rest with the last chunk
       const int c = i0 / 16, last = i0 + 16 >= n;
-      for (int b = c; b < (last ? r.next_nseg : std::min(c + 1, r.next_nseg)); ++b) {
-        const char* pm = reinterpret_cast<const char*>(r.next_meta[b]);
-        for (size_t o = 0; o < r.block_meta_bytes; o += 64) _mm_prefetch(pm + o, _MM_HINT_T0);
-        _mm_prefetch(pm + r.block_meta_bytes - 1, _MM_HINT_T0);
-      }
+      for (int b = c; b < (last ? r.next_nseg : std::min(c + 1, r.next_nseg)); ++b)
+        prefetch_lines(r.next_meta[b], r.block_meta_bytes);
     }
     // a contiguous range to prefetch, issued a share per 64-dim row below: the next 16 records of this
     // run, or in the last chunk the next run's first block
@@ -368,13 +372,8 @@ __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r
     } else if (i0 + 32 <= n && flat_at(i0 + 16)) {
       pf = reinterpret_cast<const char*>(r.rec(i0 + 16)), pf_bytes = 16 * W;
     }
-    if (i0 + 16 < n && !pf) {  // the next keys span blocks: every line of each record, now
-      for (int k = i0 + 16; k < std::min(i0 + 32, n); ++k) {
-        const char* rk = reinterpret_cast<const char*>(r.rec(k));
-        for (size_t o = 0; o < W; o += 64) _mm_prefetch(rk + o, _MM_HINT_T0);
-        _mm_prefetch(rk + W - 1, _MM_HINT_T0);
-      }
-    }
+    if (i0 + 16 < n && !pf)  // the next keys span blocks: every line of each record, now
+      for (int k = i0 + 16; k < std::min(i0 + 32, n); ++k) prefetch_lines(r.rec(k), W);
     const float* m0 = r.metaf + (size_t)i0 * r.Ws;
     __m512 tot[GN];
     for (int gi = 0; gi < ngk; ++gi) {
