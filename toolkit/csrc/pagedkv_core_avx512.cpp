@@ -299,12 +299,15 @@ __attribute__((target("avx512f,avx512vnni"))) inline __m512i dpb(__m512i acc, __
 
 // One 64-dim row of 16 keys (u: transpose16 of their code rows) against HT <= 3 heads: per head the limb
 // dots A, B, C, added to ab (256 A + B, exact in int32, see scores_vnni) and cc (C). ql[h]: the 3 x 16
-// limb dwords of head h for this row. P partial sums per chain (by dword parity) keep >= 9 dependency
-// chains in flight for fewer heads.
+// limb dwords of head h for this row. P partial sums per chain, each over a contiguous share of the 16
+// dwords, keep >= 9 dependency chains in flight (>= 18 for 2 or 3 heads; the sums of the first share
+// are done early, so the registers hold the 18 sums and the dwords still to come: with 3 heads ~10%
+// faster scores than one sum per chain, measured on the hot pool; by dword parity would need all 16
+// dwords live).
 template <int HT>
 __attribute__((target("avx512f,avx512vnni"))) inline void vnni_row(const __m512i* u, const int32_t* const* ql, __m512i* ab,
                                                                __m512i* cc) {
-  constexpr int P = HT == 1 ? 3 : HT == 2 ? 2 : 1;
+  constexpr int P = HT == 1 ? 3 : 2;
   __m512i A[HT][P], B[HT][P], C[HT][P];
   for (int h = 0; h < HT; ++h)
     for (int p = 0; p < P; ++p) A[h][p] = B[h][p] = C[h][p] = _mm512_setzero_si512();
@@ -312,9 +315,10 @@ __attribute__((target("avx512f,avx512vnni"))) inline void vnni_row(const __m512i
   for (int d = 0; d < 16; ++d) {
 #pragma GCC unroll 3
     for (int h = 0; h < HT; ++h) {
-      A[h][d % P] = dpb(A[h][d % P], u[d], ql[h] + d);
-      B[h][d % P] = dpb(B[h][d % P], u[d], ql[h] + 16 + d);
-      C[h][d % P] = dpb(C[h][d % P], u[d], ql[h] + 32 + d);
+      const int p = d * P / 16;
+      A[h][p] = dpb(A[h][p], u[d], ql[h] + d);
+      B[h][p] = dpb(B[h][p], u[d], ql[h] + 16 + d);
+      C[h][p] = dpb(C[h][p], u[d], ql[h] + 32 + d);
     }
   }
   for (int h = 0; h < HT; ++h) {
@@ -335,11 +339,14 @@ __attribute__((target("avx512f,avx512vnni"))) inline void vnni_row(const __m512i
 // share before each 64-dim row (at 32/8/128, ~8% faster than all at once); in the last chunk the next
 // run's first block (QuantRun::next_codes); the scales of one of the next run's blocks per chunk.
 // Prefetching further ahead (whole blocks from the block-table walk, or the next run spread over the
-// V pass) was slower.
-template <bool SYM, int GN>
+// V pass) was slower. NR: 64-dim rows per K group (1 or 2), a compile-time count so that the row loop
+// unrolls and the per-row prefetch share is computed once per chunk (the K pass measured ~15% of its time
+// in per-chunk bookkeeping with both at run time).
+template <bool SYM, int GN, int NR>
 __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r, const VnniQ& vq, int g0, const float* qsum,
                                                           float scale, float* sc, int ldsc) {
-  const int D = r.D, kg = r.k_group, ngk = D / kg, nrow = D / 64, n = r.n;
+  static_assert(NR == 1 || NR == 2, "K groups of 64 or 128 dims");
+  const int D = r.D, ngk = D / (64 * NR), nrow = D / 64, n = r.n;
   const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32((int)r.Ws));
   // 16 keys inside one segment (block) are rows base + k W: no per-key pointers
@@ -374,14 +381,16 @@ __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r
     }
     if (i0 + 16 < n && !pf)  // the next keys span blocks: every line of each record, now
       for (int k = i0 + 16; k < std::min(i0 + 32, n); ++k) prefetch_lines(r.rec(k), W);
+    const size_t share = (pf_bytes + 64 * nrow - 1) / (64 * nrow) * 64;  // bytes of pf per row (whole lines)
     const float* m0 = r.metaf + (size_t)i0 * r.Ws;
     __m512 tot[GN];
     for (int gi = 0; gi < ngk; ++gi) {
       __m512i ab[GN], cc[GN];
       for (int g = 0; g < GN; ++g) ab[g] = cc[g] = _mm512_setzero_si512();
-      for (int row = gi * kg / 64; row < (gi + 1) * kg / 64; ++row) {
+#pragma GCC unroll 2
+      for (int row = gi * NR; row < (gi + 1) * NR; ++row) {
         __m512i x[16], u[16];
-        for (size_t o = pf_bytes * row / nrow / 64 * 64; o < pf_bytes * (row + 1) / nrow; o += 64) _mm_prefetch(pf + o, _MM_HINT_T0);
+        for (size_t o = share * row; o < std::min(share * (row + 1), pf_bytes); o += 64) _mm_prefetch(pf + o, _MM_HINT_T0);
         if (flat) {
           for (int k = 0; k < 16; ++k) x[k] = _mm512_loadu_si512(base + k * W + 64 * row);
         } else {
@@ -637,8 +646,14 @@ struct Avx512Ops {
     if (use_vnni(r.k_bits, r.k_group)) {
       const VnniQ vq(q, G, r.D, r.D / r.k_group);
       impl::for_head_tiles(G, [&](auto gn, int g0) {
-        r.k_sym ? scores_vnni<true, decltype(gn)::value>(r, vq, g0, qsum, scale, sc, ldsc)
-                : scores_vnni<false, decltype(gn)::value>(r, vq, g0, qsum, scale, sc, ldsc);
+        constexpr int GN = decltype(gn)::value;
+        if (r.k_group == 64) {
+          r.k_sym ? scores_vnni<true, GN, 1>(r, vq, g0, qsum, scale, sc, ldsc)
+                  : scores_vnni<false, GN, 1>(r, vq, g0, qsum, scale, sc, ldsc);
+        } else {
+          r.k_sym ? scores_vnni<true, GN, 2>(r, vq, g0, qsum, scale, sc, ldsc)
+                  : scores_vnni<false, GN, 2>(r, vq, g0, qsum, scale, sc, ldsc);
+        }
       });
       return;
     }
@@ -702,6 +717,17 @@ struct Avx512Ops {
     }
   }
   static void row_max(const float* sc, int ldsc, int G, int n, float* out) { rows_reduce<true>(sc, ldsc, G, n, out); }
+  // whether a score of some row g is above thr[g] or NaN
+  static bool rows_above(const float* sc, int ldsc, int G, int n, const float* thr) {
+    __mmask16 any = 0;
+    for (int g = 0; g < G; ++g) {
+      const float* x = sc + (size_t)g * ldsc;
+      const __m512 t = _mm512_set1_ps(thr[g]);
+      for (int i = 0; i < n; i += 16)
+        any |= _mm512_mask_cmp_ps_mask(first_n(n - i), load_keys(x + i, first_n(n - i), t), t, _CMP_NLE_UQ);
+    }
+    return any != 0;
+  }
   static void row_exp(float* sc, int ldsc, int G, int n, const float* m, float* sum) {
     for (int g = 0; g < G; ++g) {
       float* x = sc + (size_t)g * ldsc;
