@@ -74,7 +74,7 @@ def make_backend(art_dir: Path, manifest: dict, backend: str, native: bool | Non
         from runtime_sim.backends import ExecuTorchBackend
 
         path = verify_artifact(art_dir, manifest, "pte")
-        return ExecuTorchBackend(path, layout, manifest["artifacts"]["pte"])
+        return ExecuTorchBackend(path, layout, manifest["artifacts"]["pte"], threads=threads)
     if backend == "torch":
         from runtime_sim.backends import TorchBackend
         from toolkit.compiler import compile

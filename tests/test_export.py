@@ -96,6 +96,28 @@ def test_fork_copies_on_write_on_every_backend(fp32_artifacts, backend, native):
     engine.pool.check_invariants()
 
 
+@pytest.mark.parametrize("backend", ["onnxruntime", "executorch"])
+def test_runtime_threads_reach_the_kernel(fp32_artifacts, backend):
+    """The kernels run on their own thread pool: the runtime's thread count must reach it (and reach
+    the copy of the library the host loaded, not a second one)."""
+    from toolkit import native as native_lib
+
+    family, art = fp32_artifacts
+    want = hf_greedy(tiny_model(family), PROMPT, 4)
+    try:
+        for n in (1, 2):
+            engine = open_artifacts(art, backend, native=True if backend == "onnxruntime" else None, threads=n,
+                                    prefill_chunk=16)
+            assert engine.backend.kernel_threads == n
+            assert list(engine.generate(engine.new_conversation(), PROMPT, 4)) == want
+        lib = native_lib.ort_library_path() if backend == "onnxruntime" else native_lib.et_library_path()
+        maps = [ln for ln in open("/proc/self/maps") if ln.rstrip().endswith(lib)]
+        assert sum(ln.split()[2] == "00000000" for ln in maps) == 1, maps  # one copy of the library
+    finally:
+        lib = native_lib.ort_kernels() if backend == "onnxruntime" else native_lib.load_executorch_kernels()
+        native_lib.set_kernel_threads(lib, 0)
+
+
 def test_manifest_describes_pool_and_artifacts(fp32_artifacts):
     _, art = fp32_artifacts
     m = json.loads((art / "pagedkv.json").read_text())

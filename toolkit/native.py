@@ -91,6 +91,24 @@ def load_executorch_kernels() -> ctypes.CDLL:
     return _et_handle
 
 
+def ort_kernels() -> ctypes.CDLL:
+    """The onnxruntime custom-op library as ctypes sees it: the same loaded copy onnxruntime uses once
+    a session has registered it (the dynamic loader opens one path once per process)."""
+    return ctypes.CDLL(ort_library_path())
+
+
+def set_kernel_threads(lib: ctypes.CDLL, threads: int) -> int:
+    """Threads the pagedkv kernels of one loaded library may use per call (each host library carries
+    its own copy of the C++ core and its thread pool): threads > 0, or 0 for the default (env
+    PAGEDKV_NUM_THREADS, else every core). Returns the count now in effect."""
+    if threads < 0:
+        raise PagedKVError(f"threads={threads}: use a positive count, or 0 for the default.")
+    lib.pagedkv_set_num_threads.argtypes = [ctypes.c_int]
+    lib.pagedkv_set_num_threads(int(threads))
+    lib.pagedkv_num_threads.restype = ctypes.c_int
+    return int(lib.pagedkv_num_threads())
+
+
 def et_pool_arrays(layout) -> list[tuple]:
     """numpy views (no copies, writable) of the pool tensors the ExecuTorch kernels used in their most
     recent call, per layer: (codes, scales, stage) with the layout's shapes and dtypes. They point into

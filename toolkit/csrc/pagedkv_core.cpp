@@ -773,4 +773,5 @@ extern "C" {
 int pagedkv_set_isa(int isa) { return pagedkv::set_isa((pagedkv::Isa)isa) ? 1 : 0; }
 int pagedkv_active_isa(void) { return (int)pagedkv::active_isa(); }
 void pagedkv_set_num_threads(int n) { pagedkv::set_num_threads(n); }
+int pagedkv_num_threads(void) { return pagedkv::num_threads(); }
 }

@@ -97,4 +97,5 @@ extern "C" {
 int pagedkv_set_isa(int isa);  // returns 1 on success
 int pagedkv_active_isa(void);
 void pagedkv_set_num_threads(int n);
+int pagedkv_num_threads(void);  // the threads a call may use
 }
