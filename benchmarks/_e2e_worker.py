@@ -121,7 +121,8 @@ def run_ours(args, ids):
     st = engine.stats()
     extra = {"load_s": load_s, "prefill_s": prefill_s, "rss_after_imports": rss_imports,
              "rss_after_load": rss_loaded, "pool_bytes": st["pool_bytes"],
-             "kv_bytes_end": st["kv_bytes_in_use"], "generated": gen[:8]}
+             "kv_bytes_end": st["kv_bytes_in_use"], "generated": gen[:8],
+             "kernel_threads": engine.backend.kernel_threads}
     if backend == "onnxruntime":
         extra["native_kernel"] = bool(engine.backend.native)
     else:
