@@ -300,10 +300,10 @@ __attribute__((target("avx512f,avx512vnni"))) inline __m512i dpb(__m512i acc, __
 // One 64-dim row of 16 keys (u: transpose16 of their code rows) against HT <= 3 heads: per head the limb
 // dots A, B, C, added to ab (256 A + B, exact in int32, see scores_vnni) and cc (C). ql[h]: the 3 x 16
 // limb dwords of head h for this row. P partial sums per chain, each over a contiguous share of the 16
-// dwords, keep >= 9 dependency chains in flight (>= 18 for 2 or 3 heads; the sums of the first share
-// are done early, so the registers hold the 18 sums and the dwords still to come: with 3 heads ~10%
-// faster scores than one sum per chain, measured on the hot pool; by dword parity would need all 16
-// dwords live).
+// dwords, keep >= 9 dependency chains in flight (12 for 2 heads, 18 for 3; the sums of the first share
+// are done early, so the registers hold the sums and the dwords still to come: with 3 heads ~10%
+// faster scores than one sum per chain, measured on a hot pool; by dword parity all 16 dwords would
+// stay live and spill).
 template <int HT>
 __attribute__((target("avx512f,avx512vnni"))) inline void vnni_row(const __m512i* u, const int32_t* const* ql, __m512i* ab,
                                                                __m512i* cc) {
