@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from toolkit import native
-from toolkit.errors import KernelLibraryMissing
+from toolkit.errors import KernelLibraryMissing, PagedKVError
 from toolkit.paged_attention import SCALAR_ARG_NAMES, reference_paged_attention
 from toolkit.quant import PRESETS, KVQuantSpec
 
@@ -323,3 +323,19 @@ def test_executorch_kernel(spec):
         _assert_out(f"et call {i}", got[0], want[0])
         _assert_pools(f"et call {i}", got[1:], want[1:])
         ref_pools = want[1:]
+
+
+def test_each_host_library_keeps_its_own_core():
+    """The core is built with hidden symbols: with the ExecuTorch library loaded RTLD_GLOBAL, the
+    onnxruntime library still calls its own copy (its own thread setting), and the other way round."""
+    et, ort = native.load_executorch_kernels(), native.ort_kernels()
+    try:
+        assert native.set_kernel_threads(ort, 1) == 1
+        assert native.set_kernel_threads(et, 3) == 3
+        assert ort.pagedkv_num_threads() == 1 and et.pagedkv_num_threads() == 3
+        with pytest.raises(PagedKVError, match="threads=-1"):
+            native.set_kernel_threads(ort, -1)
+        assert ort.pagedkv_num_threads() == 1  # nothing changed by the bad call
+    finally:
+        native.set_kernel_threads(ort, 0)
+        native.set_kernel_threads(et, 0)

@@ -100,9 +100,7 @@ def ort_kernels() -> ctypes.CDLL:
 def set_kernel_threads(lib: ctypes.CDLL, threads: int) -> int:
     """Threads the pagedkv kernels of one loaded library may use per call: threads > 0, or 0 for the
     default (env PAGEDKV_NUM_THREADS, else every core). Returns the count now in effect. Each host
-    library links its own copy of the C++ core, but once the ExecuTorch library is loaded (RTLD_GLOBAL)
-    the onnxruntime library's core calls resolve to its copy: in such a process both share one setting,
-    the last one made."""
+    library has its own copy of the C++ core (built with hidden symbols), so its own setting."""
     if threads < 0:
         raise PagedKVError(f"threads={threads}: use a positive count, or 0 for the default.")
     lib.pagedkv_set_num_threads.argtypes = [ctypes.c_int]

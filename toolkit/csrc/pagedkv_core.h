@@ -92,10 +92,13 @@ void dequantize_record(const uint8_t* codes, const uint16_t* meta, int d, int bi
 
 }  // namespace pagedkv
 
-// Plain C entry points (for ctypes / other hosts).
+// Plain C entry points (for ctypes / other hosts). The rest of the core is built with hidden
+// visibility: each host library keeps its own copy of it (its own thread pool and settings), even
+// when another one is loaded into the same process with RTLD_GLOBAL.
+#define PAGEDKV_C_API __attribute__((visibility("default")))
 extern "C" {
-int pagedkv_set_isa(int isa);  // returns 1 on success
-int pagedkv_active_isa(void);
-void pagedkv_set_num_threads(int n);
-int pagedkv_num_threads(void);  // the threads a call may use
+PAGEDKV_C_API int pagedkv_set_isa(int isa);  // returns 1 on success
+PAGEDKV_C_API int pagedkv_active_isa(void);
+PAGEDKV_C_API void pagedkv_set_num_threads(int n);
+PAGEDKV_C_API int pagedkv_num_threads(void);  // the threads a call may use
 }
