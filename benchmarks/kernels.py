@@ -9,7 +9,8 @@ et-custom-sdpa in its own group right after the others of the same cell, see ISO
   pagedkv-ort    our kernel (spec PRESETS["default"]: K8 sym g64 / V4 asym g32, Hadamard, fp16 sink +
                  tail) as a one-node ONNX model through our custom-op library; the pools are bound with
                  IOBinding (one OrtValue as input and output, no copies)
-  pagedkv-et     the same kernel in ExecuTorch: a .pte with just the op, pools as mutable buffers
+  pagedkv-et     the same kernel in ExecuTorch: a .pte with just the op, pools as mutable buffers (they
+                 start zeroed: the same bytes read per step)
   gqa-fp32       onnxruntime com.microsoft GroupQueryAttention, fp32 BNSH cache bound in place
   gqa-int8       the same with an int8 cache (k/v_quant_type PER_CHANNEL, kv_cache_bit_width 8)
   gqa-int4       the same with an int4 cache (PER_CHANNEL, kv_cache_bit_width 4, uint8 packed)
@@ -24,7 +25,8 @@ et-custom-sdpa in its own group right after the others of the same cell, see ISO
                  the memory floor of the step's access pattern
 
 Threads: onnxruntime intra_op_num_threads (one session per count, allow_spinning=0), ExecuTorch
-_unsafe_reset_threadpool, our kernel PAGEDKV_NUM_THREADS (read by the core on every call).
+_unsafe_reset_threadpool; our kernel runs on those same threads (the session's intra-op pool, ExecuTorch's
+threadpool), the core alone on its own pool (pagedkv_core_bench's thread argument).
 
 "bytes" is what the step must read from the KV cache (codes + fp16 scales/zeros, fp16 sink/tail
 stage for ours; the whole cache for the others); bandwidth_fraction = bytes / ms / the machine's
@@ -165,7 +167,7 @@ def _step_inputs(hq, hkv, d, ctx, seed):
 
 
 class OursOrt:
-    def __init__(self, hq, hkv, d, ctx, seed):
+    def __init__(self, hq, hkv, d, ctx, seed, threads=(1,)):
         import onnxruntime as ort
         from onnx import TensorProto as TP
         from onnx import helper
@@ -200,29 +202,33 @@ class OursOrt:
         model = helper.make_model(helper.make_graph([node], "qpa", ins, outs),
                                   opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)])
         model.ir_version = 10
-        so = ort.SessionOptions()
-        so.register_custom_ops_library(native.ort_library_path())
-        so.intra_op_num_threads = 1  # the op runs on the core's own thread pool (PAGEDKV_NUM_THREADS)
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
         self.pools = [ort.OrtValue.ortvalue_from_numpy(a) for a in (codes, scales, stage)]
         self.keep = dict(x, block_tables=table)
         self.out = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 1, hq, d), np.float32))
-        b = self.sess.io_binding()
-        for name in ("q", "k", "v", "positions", "seq_ids", "block_tables", "sinks"):
-            b.bind_cpu_input(name, self.keep[name])
-        for name, p in zip(("codes", "scales", "stage"), self.pools):
-            b.bind_ortvalue_input(name, p)
-            b.bind_ortvalue_output(name + "_out", p)
-        b.bind_ortvalue_output("out", self.out)
-        self.binding = b
+        self.sessions = {}
+        for n in threads:  # the op runs on the session's intra-op threads, configured as for GQA below
+            so = ort.SessionOptions()
+            so.register_custom_ops_library(native.ort_library_path())
+            so.intra_op_num_threads = n
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            b = sess.io_binding()
+            for name in ("q", "k", "v", "positions", "seq_ids", "block_tables", "sinks"):
+                b.bind_cpu_input(name, self.keep[name])
+            for name, p in zip(("codes", "scales", "stage"), self.pools):
+                b.bind_ortvalue_input(name, p)
+                b.bind_ortvalue_output(name + "_out", p)
+            b.bind_ortvalue_output("out", self.out)
+            self.sessions[n] = (sess, b)
+        self.cur = self.sessions[threads[0]]
         self.bytes = _our_bytes(hkv, d, ctx)
 
     def set_threads(self, n):
-        os.environ["PAGEDKV_NUM_THREADS"] = str(n)
+        self.cur = self.sessions[n]
 
     def __call__(self):
-        self.sess.run_with_iobinding(self.binding)
+        sess, b = self.cur
+        sess.run_with_iobinding(b)
 
 
 class _OurModule:  # built lazily (torch import)
@@ -260,8 +266,10 @@ class OursEt:
         self.program, self.method = _et_load(M(), tuple(self.args))
         self.bytes = _our_bytes(hkv, d, ctx)
 
-    def set_threads(self, n):
-        os.environ["PAGEDKV_NUM_THREADS"] = str(n)
+    def set_threads(self, n):  # the op runs on ExecuTorch's threadpool
+        from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+
+        _unsafe_reset_threadpool(n)
 
     def __call__(self):
         self.method.execute(self.args)
@@ -461,7 +469,7 @@ def core_bench(path, hq, hkv, d, ctx, threads, reps=None, hot_blocks=0, walk=Fal
 
 def build(impl, hq, hkv, d, ctx, threads, seed=0):
     if impl == "pagedkv-ort":
-        return OursOrt(hq, hkv, d, ctx, seed)
+        return OursOrt(hq, hkv, d, ctx, seed, threads)
     if impl == "pagedkv-et":
         return OursEt(hq, hkv, d, ctx, seed)
     if impl.startswith("gqa-"):

@@ -75,7 +75,8 @@ class OrtBackend:
         so = ort.SessionOptions()
         so.intra_op_num_threads = threads
         self.native = False
-        self.kernel_threads = None  # threads of the pagedkv kernel (native only)
+        # threads of the pagedkv kernel (native only): it runs on the session's intra-op threads
+        self.kernel_threads = None
         if native is not False:
             from toolkit import native as native_lib
 
@@ -89,8 +90,8 @@ class OrtBackend:
             so.register_custom_ops_library(str(native_lib.ort_library_path()))
             self.native = True
         self.session = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
-        if self.native:  # the kernel's own thread pool follows the session's thread count
-            self.kernel_threads = native_lib.set_kernel_threads(native_lib.ort_kernels(), threads)
+        if self.native:  # 0: onnxruntime's default (one thread per physical core)
+            self.kernel_threads = threads or None
         self.inputs, self.outputs = inputs, outputs
         # numpy arrays own the memory; the OrtValues wrap it without a copy (CPU)
         self.arrays = [a for i in range(layout.num_layers) for a in layout.allocate_layer_numpy()]
@@ -132,12 +133,17 @@ class ExecuTorchBackend:
     def __init__(self, pte_path, layout, entry: dict, threads: int = 0):
         import torch  # noqa: F401  (portable_lib needs torch's libraries loaded)
 
-        from toolkit.native import load_executorch_kernels, set_kernel_threads
+        from toolkit.native import load_executorch_kernels
 
-        # threads: those of the pagedkv kernels (0: the default); the linears run on portable_lib's
-        # own thread pool (_unsafe_reset_threadpool)
-        self.kernel_threads = set_kernel_threads(load_executorch_kernels(), threads)
+        load_executorch_kernels()
+        from executorch.extension.pybindings import portable_lib
         from executorch.extension.pybindings.portable_lib import _load_for_executorch
+
+        # threads > 0 resizes ExecuTorch's threadpool, which the linears (XNNPACK) and the pagedkv
+        # kernels share; the pool is one per process, so this applies to every program in it
+        if threads > 0:
+            portable_lib._unsafe_reset_threadpool(threads)
+        self.kernel_threads = int(portable_lib._threadpool_get_thread_count())
 
         self.layout = layout
         self.max_tokens = int(entry.get("max_tokens_per_call", 64))

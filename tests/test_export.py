@@ -98,12 +98,17 @@ def test_fork_copies_on_write_on_every_backend(fp32_artifacts, backend, native):
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "executorch"])
 def test_runtime_threads_reach_the_kernel(fp32_artifacts, backend):
-    """The kernels run on their own thread pool: the runtime's thread count must reach it (and reach
-    the copy of the library the host loaded, not a second one)."""
+    """The kernels run on the runtime's threads (the session's intra-op pool, ExecuTorch's threadpool):
+    the backend's thread count is theirs, and one copy of the library is loaded.
+    tests/test_native_kernels.py::test_hosts_run_the_op_on_their_threads checks the threads a call used."""
     from toolkit import native as native_lib
 
     family, art = fp32_artifacts
     want = hf_greedy(tiny_model(family), PROMPT, 4)
+    if backend == "executorch":
+        from executorch.extension.pybindings import portable_lib
+
+        before = portable_lib._threadpool_get_thread_count()
     try:
         for n in (1, 2):
             engine = open_artifacts(art, backend, native=True if backend == "onnxruntime" else None, threads=n,
@@ -114,8 +119,8 @@ def test_runtime_threads_reach_the_kernel(fp32_artifacts, backend):
         maps = [ln for ln in open("/proc/self/maps") if ln.rstrip().endswith(lib)]
         assert sum(ln.split()[2] == "00000000" for ln in maps) == 1, maps  # one copy of the library
     finally:
-        lib = native_lib.ort_kernels() if backend == "onnxruntime" else native_lib.load_executorch_kernels()
-        native_lib.set_kernel_threads(lib, 0)
+        if backend == "executorch":
+            portable_lib._unsafe_reset_threadpool(before)
 
 
 def test_manifest_describes_pool_and_artifacts(fp32_artifacts):

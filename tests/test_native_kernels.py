@@ -130,7 +130,7 @@ def _assert_out(name, got, want):
 # ORT
 
 
-def _ort_session(sc: Scenario):
+def _ort_session(sc: Scenario, threads: int = 1):
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper
@@ -162,7 +162,7 @@ def _ort_session(sc: Scenario):
     model.ir_version = 10
     so = ort.SessionOptions()
     so.register_custom_ops_library(ORT_LIB)
-    so.intra_op_num_threads = 1
+    so.intra_op_num_threads = threads
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
@@ -292,7 +292,9 @@ class _PoolModule(torch.nn.Module):
         return out, self.codes.clone(), self.scales.clone(), self.stage.clone()
 
 
-def _et_program(sc: Scenario, max_t: int):
+def _et_program(sc: Scenario, max_t: int | None):
+    """The op in a .pte on the ExecuTorch runtime; T up to max_t tokens per call (None: the first
+    call's T only)."""
     from executorch.exir import to_edge_transform_and_lower
     from executorch.runtime import Runtime
 
@@ -300,8 +302,8 @@ def _et_program(sc: Scenario, max_t: int):
     mod = _PoolModule(sc)
     c = sc.calls[0]
     ex_args = (c["q"], c["k"], c["v"], c["positions"], c["seq_ids"], sc.tables, sc.sinks)
-    t = torch.export.Dim("T", min=1, max=max_t)
-    dyn = ({2: t}, {2: t}, {2: t}, {0: t}, {0: t}, None, None)
+    t = torch.export.Dim("T", min=1, max=max_t) if max_t else None
+    dyn = ({2: t}, {2: t}, {2: t}, {0: t}, {0: t}, None, None) if max_t else None
     ep = torch.export.export(mod, ex_args, dynamic_shapes=dyn, strict=False)
     prog = to_edge_transform_and_lower(ep).to_executorch()
     program = Runtime.get().load_program(prog.buffer)
@@ -339,3 +341,81 @@ def test_each_host_library_keeps_its_own_core():
     finally:
         native.set_kernel_threads(ort, 0)
         native.set_kernel_threads(et, 0)
+
+
+def _long_decode_call(hkv=2, ratio=4, d=64, ctx=4096, seed=5):
+    """One decode step over ctx cached tokens (random pool bytes): enough work that the op goes
+    parallel (the core's kParallelMinWork), split into 12 items."""
+    sc = Scenario(PRESETS["default"], hq=hkv * ratio, hkv=hkv, d=d, bs=16, lens=[1], chunk=1, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    sc.m = ctx // 16 + 2
+    sc.nb = sc.m + 1
+    sc.codes = torch.randint(0, 256, (sc.nb,) + tuple(sc.codes.shape[1:]), generator=g, dtype=torch.uint8)
+    sc.scales = (torch.rand((sc.nb,) + tuple(sc.scales.shape[1:]), generator=g) * 0.05).half()
+    sc.tables = torch.randperm(sc.nb, generator=g)[: sc.m].reshape(1, sc.m)
+    sc.calls = [dict(q=torch.randn(1, sc.hq, 1, d, generator=g), k=torch.randn(1, hkv, 1, d, generator=g),
+                     v=torch.randn(1, hkv, 1, d, generator=g), positions=torch.tensor([ctx], dtype=torch.int64),
+                     seq_ids=torch.zeros(1, dtype=torch.int64), holes=False)]
+    return sc
+
+
+def _threads_seen(run, lib, calls=60):
+    """The most threads any of `calls` runs of the op used (a woken worker may miss a short call)."""
+    most = 0
+    for _ in range(calls):
+        run()
+        most = max(most, native.last_call_threads(lib))
+        if most >= 2:
+            break
+    return most
+
+
+@needs_ort
+def test_hosts_run_the_op_on_their_threads_ort():
+    """onnxruntime: the op's parallel work runs on the session's intra-op threads, whatever the core's
+    own pool is set to; the output does not depend on the thread count."""
+    import onnxruntime as ort
+
+    sc = _long_decode_call()
+    call = sc.calls[0]
+    feed = dict(q=call["q"].numpy(), k=call["k"].numpy(), v=call["v"].numpy(), codes=sc.codes.numpy(),
+                scales=sc.scales.numpy(), stage=sc.stage.numpy(), positions=call["positions"].numpy(),
+                seq_ids=call["seq_ids"].numpy(), block_tables=sc.tables.numpy(), sinks=sc.sinks.numpy())
+    lib = native.ort_kernels()
+    outs = {}
+    try:
+        native.set_kernel_threads(lib, 2)  # the core's own pool: not used by this host
+        for n in (1, 2):
+            sess = _ort_session(sc, threads=n)
+            outs[n] = sess.run(None, feed)[0]
+            assert _threads_seen(lambda: sess.run(None, feed), lib) == n
+    finally:
+        native.set_kernel_threads(lib, 0)
+    want = reference_paged_attention(*_args(sc, call, sc.codes, sc.scales, sc.stage, sc.tables))[0]
+    for n in outs:
+        _assert_out(f"{n} threads", outs[n], want)
+    assert np.array_equal(outs[1], outs[2])
+
+
+@needs_et
+def test_hosts_run_the_op_on_their_threads_et():
+    """ExecuTorch: the op's parallel work runs on ExecuTorch's threadpool (the linears' pool)."""
+    from executorch.extension.pybindings import portable_lib
+
+    sc = _long_decode_call(seed=6)
+    call = sc.calls[0]
+    _program, method = _et_program(sc, None)
+    args = [call["q"], call["k"], call["v"], call["positions"], call["seq_ids"], sc.tables, sc.sinks]
+    lib = native.load_executorch_kernels()
+    before = portable_lib._threadpool_get_thread_count()
+    outs = {}
+    try:
+        native.set_kernel_threads(lib, 2)  # the core's own pool: not used by this host
+        for n in (1, 2):
+            portable_lib._unsafe_reset_threadpool(n)
+            assert _threads_seen(lambda: method.execute(args), lib) == n
+            outs[n] = method.execute(args)[0]
+    finally:
+        portable_lib._unsafe_reset_threadpool(before)
+        native.set_kernel_threads(lib, 0)
+    assert torch.equal(outs[1], outs[2])

@@ -98,15 +98,24 @@ def ort_kernels() -> ctypes.CDLL:
 
 
 def set_kernel_threads(lib: ctypes.CDLL, threads: int) -> int:
-    """Threads the pagedkv kernels of one loaded library may use per call: threads > 0, or 0 for the
-    default (env PAGEDKV_NUM_THREADS, else every core). Returns the count now in effect. Each host
-    library has its own copy of the C++ core (built with hidden symbols), so its own setting."""
+    """Size of the C++ core's own thread pool in one loaded library: threads > 0, or 0 for the default
+    (env PAGEDKV_NUM_THREADS, else every core). Returns the count now in effect. Each host library has
+    its own copy of the core (built with hidden symbols), so its own setting. The onnxruntime and
+    ExecuTorch libraries run the op on their runtime's threads instead (the session's intra-op threads,
+    ExecuTorch's threadpool); the own pool serves hosts without one (the Android runner, the core bench)."""
     if threads < 0:
         raise PagedKVError(f"threads={threads}: use a positive count, or 0 for the default.")
     lib.pagedkv_set_num_threads.argtypes = [ctypes.c_int]
     lib.pagedkv_set_num_threads(int(threads))
     lib.pagedkv_num_threads.restype = ctypes.c_int
     return int(lib.pagedkv_num_threads())
+
+
+def last_call_threads(lib: ctypes.CDLL) -> int:
+    """How many threads ran the attention of the library's most recent op call (1: all on the calling
+    thread; short calls always run there)."""
+    lib.pagedkv_last_call_threads.restype = ctypes.c_int
+    return int(lib.pagedkv_last_call_threads())
 
 
 def et_pool_arrays(layout) -> list[tuple]:

@@ -10,6 +10,9 @@
 #include <executorch/runtime/core/exec_aten/util/tensor_util.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
 #include <executorch/runtime/platform/log.h>
+#ifdef ET_USE_THREADPOOL
+#include <executorch/runtime/kernel/thread_parallel_interface.h>
+#endif
 
 #include <cstdint>
 #include <mutex>
@@ -53,6 +56,16 @@ void remember_pools(int64_t layer, Tensor& codes, Tensor& scales, Tensor& stage)
     v.nbytes[i] = (int64_t)t[i]->nbytes();
   }
 }
+
+#ifdef ET_USE_THREADPOOL
+// pagedkv::HostPool::run on ExecuTorch's threadpool: parallel_for cuts [0, n) into one contiguous range
+// per thread (inline when the pool has one thread or the caller already runs inside it).
+void run_on_et_threadpool(void*, int n, void (*fn)(void*, int), void* arg) {
+  executorch::extension::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) fn(arg, (int)i);
+  });
+}
+#endif
 
 Tensor& fail(KernelRuntimeContext& ctx, Tensor& out, const char* msg) {
   ET_LOG(Error, "%s", msg);
@@ -108,7 +121,13 @@ Tensor& quantized_paged_attention_out(KernelRuntimeContext& ctx, const Tensor& q
   b.block_tables = block_tables.const_data_ptr<int64_t>();
   b.sinks = sinks.numel() ? sinks.const_data_ptr<float>() : nullptr;
   b.out = out.mutable_data_ptr<float>();
-  rc = pagedkv::paged_attention(p, b, err, sizeof err);
+#ifdef ET_USE_THREADPOOL
+  pagedkv::HostPool host;  // ExecuTorch's threadpool (the one XNNPACK runs the linears on)
+  host.run = run_on_et_threadpool;
+  rc = pagedkv::paged_attention(p, b, err, sizeof err, &host);
+#else
+  rc = pagedkv::paged_attention(p, b, err, sizeof err);  // the core's own threads
+#endif
   if (rc) return fail(ctx, out, err);
   remember_pools(layer, codes, scales, stage);
   return out;

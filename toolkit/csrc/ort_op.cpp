@@ -115,9 +115,29 @@ struct Kernel {
     b.block_tables = in[8].GetTensorData<int64_t>();
     b.sinks = dims(9).numel() > 0 ? in[9].GetTensorData<float>() : nullptr;
     b.out = out.GetTensorMutableData<float>();
-    rc = pagedkv::paged_attention(p, b, err, sizeof err);
+    pagedkv::HostPool host;  // the session's intra-op threads
+    host.run = run_on_session_threads;
+    host.ctx = context;
+    rc = pagedkv::paged_attention(p, b, err, sizeof err, &host);
     if (rc) return api->CreateStatus(ORT_INVALID_ARGUMENT, err);
     return nullptr;
+  }
+
+  // pagedkv::HostPool::run on onnxruntime's intra-op thread pool (KernelContext_ParallelFor; one
+  // thread when the session has intra_op_num_threads = 1). Should onnxruntime refuse, the items run
+  // here (each item only reads the pool and writes its own part of the output).
+  static void run_on_session_threads(void* context, int n, void (*fn)(void*, int), void* arg) {
+    struct Call {
+      void (*fn)(void*, int);
+      void* arg;
+    } call{fn, arg};
+    OrtStatus* st = Ort::GetApi().KernelContext_ParallelFor(
+        static_cast<OrtKernelContext*>(context),
+        [](void* c, size_t i) { static_cast<Call*>(c)->fn(static_cast<Call*>(c)->arg, (int)i); }, (size_t)n, 0, &call);
+    if (st) {
+      Ort::GetApi().ReleaseStatus(st);
+      for (int i = 0; i < n; ++i) fn(arg, i);
+    }
   }
 };
 

@@ -437,6 +437,14 @@ class ThreadPool {
 
 std::mutex g_pool_mutex;  // one parallel region at a time (hosts may call from several threads)
 std::atomic<int> g_threads{0};
+std::atomic<int> g_last_call_threads{0};  // see last_call_threads()
+std::atomic<int> g_next_thread_slot{0};
+
+// a small id per thread that ever ran attention items (for last_call_threads; slots repeat after 64)
+int thread_slot() {
+  thread_local const int slot = g_next_thread_slot.fetch_add(1) & 63;
+  return slot;
+}
 
 ThreadPool& pool() {
   static ThreadPool* p = new ThreadPool();  // leaked on purpose: no join at static destruction
@@ -454,6 +462,8 @@ int default_threads() {
 }  // namespace
 
 void set_num_threads(int n) { g_threads.store(n > 0 ? n : 0); }
+
+int last_call_threads() { return g_last_call_threads.load(); }
 
 int num_threads() {
   const int n = g_threads.load();
@@ -509,7 +519,8 @@ void record_widths(const PagedAttnParams& p, int* code_width, int* scale_width) 
   *scale_width = (kg > 0 ? p.D / kg : 0) * (p.k_sym ? 1 : 2) + (vg > 0 ? p.D / vg : 0) * (p.v_sym ? 1 : 2);
 }
 
-int paged_attention(const PagedAttnParams& P, const PagedAttnBuffers& B, char* err, size_t err_len) {
+int paged_attention(const PagedAttnParams& P, const PagedAttnBuffers& B, char* err, size_t err_len,
+                    const HostPool* host) {
   const int T = P.T, Hq = P.Hq, Hkv = P.Hkv, D = P.D, bs = P.block_size, M = P.max_blocks_per_seq;
   if (T < 0 || Hq <= 0 || Hkv <= 0 || D <= 0 || bs <= 0 || P.num_blocks <= 0 || M <= 0 || P.table_rows <= 0) {
     set_err(err, err_len, "pagedkv: bad shapes (T=%d Hq=%d Hkv=%d D=%d block_size=%d num_blocks=%d M=%d rows=%d)",
@@ -720,7 +731,9 @@ int paged_attention(const PagedAttnParams& P, const PagedAttnBuffers& B, char* e
     ctx.partial = cs.partial.data();
   }
   const int items = T * Hkv * split;
+  std::atomic<uint64_t> ran_on{0};  // the thread slots that ran items of this call
   const std::function<void(int)> task = [&](int i) {
+    ran_on.fetch_or(uint64_t(1) << thread_slot(), std::memory_order_relaxed);
     if (split == 1) {
       fn(ctx, i / Hkv, i % Hkv, thread_scratch(scratch_n));
     } else {
@@ -736,7 +749,14 @@ int paged_attention(const PagedAttnParams& P, const PagedAttnBuffers& B, char* e
     work += P.window > 0 ? std::min<int64_t>(p + 1, P.window) : p + 1;
   }
   work *= (int64_t)Hkv * (ctx.G + 1) * D;
-  {
+  if (host && host->run) {  // the host's threads (the split above does not depend on them)
+    if (work < kParallelMinWork || items == 1) {
+      for (int i = 0; i < items; ++i) task(i);
+    } else {
+      host->run(host->ctx, items, [](void* f, int i) { (*static_cast<const std::function<void(int)>*>(f))(i); },
+                const_cast<void*>(static_cast<const void*>(&task)));
+    }
+  } else {
     std::lock_guard<std::mutex> lk(g_pool_mutex);
     // the split above does not depend on this, so neither does the result
     const int want = work < kParallelMinWork ? 0 : std::min(num_threads(), items) - 1;
@@ -748,6 +768,7 @@ int paged_attention(const PagedAttnParams& P, const PagedAttnBuffers& B, char* e
       pool().run(items, task);
     }
   }
+  g_last_call_threads.store(__builtin_popcountll(ran_on.load()));
   if (split > 1) {  // merge the parts (part = -1)
     float* scratch = thread_scratch(scratch_n);
     for (int i = 0; i < T * Hkv; ++i) fn(ctx, i / Hkv, i % Hkv, scratch);
@@ -774,4 +795,5 @@ int pagedkv_set_isa(int isa) { return pagedkv::set_isa((pagedkv::Isa)isa) ? 1 : 
 int pagedkv_active_isa(void) { return (int)pagedkv::active_isa(); }
 void pagedkv_set_num_threads(int n) { pagedkv::set_num_threads(n); }
 int pagedkv_num_threads(void) { return pagedkv::num_threads(); }
+int pagedkv_last_call_threads(void) { return pagedkv::last_call_threads(); }
 }

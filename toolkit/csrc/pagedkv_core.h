@@ -61,9 +61,20 @@ enum Status : int {
   kErrInternal = 4,
 };
 
+// A host runtime's thread pool (onnxruntime's intra-op pool, ExecuTorch's threadpool): run(ctx, n, fn,
+// arg) calls fn(arg, i) for every i in [0, n), on any of the host's threads in any order, and returns
+// when all are done. With one, a call's parallel work runs on the host's threads (already awake in a
+// model, and no second set of threads competing for the cores) instead of the core's own pool.
+struct HostPool {
+  void (*run)(void* ctx, int n, void (*fn)(void* arg, int i), void* arg) = nullptr;
+  void* ctx = nullptr;
+};
+
 // Runs the op. Returns a Status; on error writes a message into err (if err_len > 0) and, for the
-// checked errors (shape, non-finite, slot), leaves the pools untouched.
-int paged_attention(const PagedAttnParams& p, const PagedAttnBuffers& b, char* err, size_t err_len);
+// checked errors (shape, non-finite, slot), leaves the pools untouched. host: the caller's thread
+// pool, or nullptr for the core's own (set_num_threads). The results do not depend on either.
+int paged_attention(const PagedAttnParams& p, const PagedAttnBuffers& b, char* err, size_t err_len,
+                    const HostPool* host = nullptr);
 
 // Record widths for a quantized spec (codes bytes, fp16 scale count) or float pool (elements, 0).
 void record_widths(const PagedAttnParams& p, int* code_width, int* scale_width);
@@ -77,9 +88,13 @@ bool set_isa(Isa isa);
 Isa active_isa();
 bool isa_available(Isa isa);
 const char* isa_name(Isa isa);
-// 0 = default (env PAGEDKV_NUM_THREADS, else hardware concurrency).
+// The core's own thread pool, used by calls without a HostPool: 0 = default (env PAGEDKV_NUM_THREADS,
+// else hardware concurrency).
 void set_num_threads(int n);
 int num_threads();
+// How many threads ran the attention of the most recent call (1: all on the calling thread; counts
+// up to 64 distinct threads). A diagnostic: which pool a host's calls actually run on.
+int last_call_threads();
 
 // ---- quantization building blocks (bit exact with toolkit/quant.py), exposed for tests ---------
 uint16_t fp32_to_fp16(float x);  // round to nearest even
@@ -100,5 +115,6 @@ extern "C" {
 PAGEDKV_C_API int pagedkv_set_isa(int isa);  // returns 1 on success
 PAGEDKV_C_API int pagedkv_active_isa(void);
 PAGEDKV_C_API void pagedkv_set_num_threads(int n);
-PAGEDKV_C_API int pagedkv_num_threads(void);  // the threads a call may use
+PAGEDKV_C_API int pagedkv_num_threads(void);  // the threads a call may use (the core's own pool)
+PAGEDKV_C_API int pagedkv_last_call_threads(void);
 }
