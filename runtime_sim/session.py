@@ -57,6 +57,8 @@ def sized_layout(layout: PoolLayout, pool_mb: float | None, pool_fraction: float
 
 def make_backend(art_dir: Path, manifest: dict, backend: str, native: bool | None = None, threads: int = 0,
                  pool_mb: float | None = None, pool_fraction: float | None = None):
+    if threads < 0:
+        raise PagedKVError(f"threads={threads}: use a positive thread count, or 0 for the runtime's default.")
     layout = layout_from_manifest(manifest)
     if backend == "executorch" and (pool_mb is not None or pool_fraction is not None):
         raise PagedKVError(
@@ -80,6 +82,10 @@ def make_backend(art_dir: Path, manifest: dict, backend: str, native: bool | Non
         from toolkit.compiler import compile
         from toolkit.model_loading import load_model
 
+        if threads > 0:
+            import torch
+
+            torch.set_num_threads(threads)
         model, _ = load_model(manifest["model"]["name"])
         paged = compile(model, layout.spec, block_size=layout.block_size, num_blocks=layout.num_blocks,
                         max_seqs=layout.max_seqs)

@@ -47,6 +47,14 @@ def test_run_json(art, backend):
     out = json.loads(pagedkv("run", art, "--prompt", "The tower is", "-n", "8", "--json", "--backend", backend).stdout)
     assert out["stats"]["used_blocks"] >= 1 and out["stats"]["decode_tok_s"] > 0
     assert isinstance(out["text"], str) and out["text"]
+    one = json.loads(pagedkv("run", art, "--prompt", "The tower is", "-n", "8", "--json", "--backend", backend,
+                             "--threads", "1").stdout)
+    assert one["text"] == out["text"]  # greedy: the thread count does not change the tokens
+
+
+def test_negative_threads_is_a_clear_error(art):
+    proc = pagedkv("run", art, "--prompt", "hi", "--threads", "-2", check=False)
+    assert proc.returncode == 2 and "threads=-2" in proc.stderr and "positive" in proc.stderr
 
 
 def test_chat_commands_in_a_subprocess(art):

@@ -176,6 +176,8 @@ def run(
                                             "at most the exported pool)."),
     pool_fraction: Optional[float] = typer.Option(None, help="Pool budget as a fraction of available RAM."),
     policy: str = typer.Option("error", help="When the pool is full: error, evict (LRU chat) or sliding."),
+    threads: int = typer.Option(0, "--threads", "-t", help="Threads of the runtime (onnxruntime's intra-op pool / "
+                                "ExecuTorch's threadpool / torch), which the attention kernel shares; 0 = its default."),
 ):
     """Answer one prompt with the exported model, streaming the text, then print pool stats."""
     import json as _json
@@ -184,7 +186,7 @@ def run(
     from runtime_sim.session import open_artifacts
 
     engine = open_artifacts(artifacts, backend, native=native, pool_mb=pool_mb, pool_fraction=pool_fraction,
-                            policy=policy)
+                            policy=policy, threads=threads)
     chat = ChatSession(engine)
     pieces = []
     for piece in chat.send(prompt, max_new_tokens, _sampling(temperature, top_k, top_p, seed)):
@@ -223,12 +225,15 @@ def chat(
                                             "at most the exported pool)."),
     pool_fraction: Optional[float] = typer.Option(None, help="Pool budget as a fraction of available RAM."),
     policy: str = typer.Option("error", help="When the pool is full: error, evict (LRU chat) or sliding."),
+    threads: int = typer.Option(0, "--threads", "-t", help="Threads of the runtime (onnxruntime's intra-op pool / "
+                                "ExecuTorch's threadpool / torch), which the attention kernel shares; 0 = its default."),
 ):
     """Interactive chat. Commands: /clear (free this chat's blocks), /stats, /new (another chat), /quit."""
     from runtime_sim.chat import ChatSession
     from runtime_sim.session import open_artifacts
 
-    engine = open_artifacts(artifacts, backend, pool_mb=pool_mb, pool_fraction=pool_fraction, policy=policy)
+    engine = open_artifacts(artifacts, backend, pool_mb=pool_mb, pool_fraction=pool_fraction, policy=policy,
+                            threads=threads)
     sessions = [ChatSession(engine, system)]
     cur = sessions[0]
     sampling = _sampling(temperature, top_k, top_p, seed)
