@@ -374,8 +374,6 @@ def _threads_seen(run, lib, calls=60):
 def test_hosts_run_the_op_on_their_threads_ort():
     """onnxruntime: the op's parallel work runs on the session's intra-op threads, whatever the core's
     own pool is set to; the output does not depend on the thread count."""
-    import onnxruntime as ort
-
     sc = _long_decode_call()
     call = sc.calls[0]
     feed = dict(q=call["q"].numpy(), k=call["k"].numpy(), v=call["v"].numpy(), codes=sc.codes.numpy(),
