@@ -1,8 +1,10 @@
 // Self-contained tests of the pagedkv core: fp16 conversion, pack/quantize round trips, zero groups,
 // every available code path against the scalar one, and attention against a naive dense computation.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <string>
+#include <thread>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -168,7 +170,7 @@ static Case make_case(int Hq, int Hkv, int D, int bs, int kbits, int vbits, bool
   return c;
 }
 
-static int run_case(Case& c, std::vector<float>& out, std::string* err = nullptr) {
+static int run_case(Case& c, std::vector<float>& out, std::string* err = nullptr, const HostPool* host = nullptr) {
   out.assign((size_t)c.p.T * c.Hq * c.D, 0.f);
   PagedAttnBuffers b;
   b.q = c.q.data(), b.k = c.k.data(), b.v = c.v.data();
@@ -176,7 +178,7 @@ static int run_case(Case& c, std::vector<float>& out, std::string* err = nullptr
   b.positions = c.pos.data(), b.seq_ids = c.seq.data(), b.block_tables = c.table.data(), b.sinks = c.sinks.data();
   b.out = out.data();
   char msg[512] = {0};
-  const int rc = paged_attention(c.p, b, msg, sizeof msg);
+  const int rc = paged_attention(c.p, b, msg, sizeof msg, host);
   if (err) *err = msg;
   if (rc && !err) std::printf("error: %s\n", msg);
   return rc;
@@ -395,6 +397,42 @@ static void test_threads() {
   CHECK(oa == ob && a.codes == b.codes && a.stage == b.stage, "threads change the result");
 }
 
+// A host pool as a runtime would bring one: 3 threads of its own, items handed out from the end.
+struct TestHost {
+  int calls = 0;
+  static void run(void* self, int n, void (*fn)(void*, int), void* arg) {
+    static_cast<TestHost*>(self)->calls++;
+    std::atomic<int> next{n - 1};
+    auto work = [&] {
+      for (int i; (i = next.fetch_sub(1)) >= 0;) fn(arg, i);
+    };
+    std::vector<std::thread> th;
+    for (int t = 0; t < 3; ++t) th.emplace_back(work);
+    for (auto& t : th) t.join();
+  }
+};
+
+static void test_host_pool() {
+  Case base = make_case(8, 2, 64, 16, 8, 4, true, true, 1, 0, 0.f, true, 0, {160, 40, 3});
+  set_num_threads(1);
+  Case a = base, b = base;
+  std::vector<float> oa, ob;
+  run_case(a, oa);
+  TestHost host;
+  HostPool hp;
+  hp.run = TestHost::run;
+  hp.ctx = &host;
+  run_case(b, ob, nullptr, &hp);
+  set_num_threads(0);
+  CHECK(host.calls == 1, "the host pool ran %d parallel regions, want 1", host.calls);
+  CHECK(last_call_threads() >= 1 && last_call_threads() <= 3, "last_call_threads %d", last_call_threads());
+  CHECK(oa == ob && a.codes == b.codes && a.stage == b.stage, "a host pool changes the result");
+  Case c = make_case(2, 1, 64, 16, 8, 4, true, true, 1, 0, 0.f, false, 0, {20});  // little work: no region
+  std::vector<float> oc;
+  run_case(c, oc, nullptr, &hp);
+  CHECK(host.calls == 1 && last_call_threads() == 1, "a short call must stay on the calling thread");
+}
+
 int main() {
   test_fp16();
   test_quant_roundtrip();
@@ -403,6 +441,7 @@ int main() {
   test_quant_paths_agree();
   test_errors();
   test_threads();
+  test_host_pool();
   std::printf("active path: %s, threads %d\n", isa_name(active_isa()), num_threads());
   if (g_fail) {
     std::printf("%d FAILED\n", g_fail);
