@@ -118,6 +118,13 @@ def last_call_threads(lib: ctypes.CDLL) -> int:
     return int(lib.pagedkv_last_call_threads())
 
 
+def last_call_pool(lib: ctypes.CDLL) -> str:
+    """Where the library's most recent op call ran its parallel work: "caller" (too little work to
+    split), "own" (the core's thread pool) or "host" (the runtime's threads)."""
+    lib.pagedkv_last_call_pool.restype = ctypes.c_int
+    return ("caller", "own", "host")[lib.pagedkv_last_call_pool()]
+
+
 def et_pool_arrays(layout) -> list[tuple]:
     """numpy views (no copies, writable) of the pool tensors the ExecuTorch kernels used in their most
     recent call, per layer: (codes, scales, stage) with the layout's shapes and dtypes. They point into

@@ -14,6 +14,7 @@
 #include <executorch/runtime/kernel/thread_parallel_interface.h>
 #endif
 
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <vector>
@@ -58,11 +59,14 @@ void remember_pools(int64_t layer, Tensor& codes, Tensor& scales, Tensor& stage)
 }
 
 #ifdef ET_USE_THREADPOOL
-// pagedkv::HostPool::run on ExecuTorch's threadpool: parallel_for cuts [0, n) into one contiguous range
-// per thread (inline when the pool has one thread or the caller already runs inside it).
+// pagedkv::HostPool::run on ExecuTorch's threadpool. parallel_for makes one task per thread (inline when
+// the pool has one thread or the caller already runs inside it); each task takes the next item until
+// none is left, so a worker that wakes late takes what remains instead of its fixed share (the caller,
+// done with its own, would otherwise take that whole share too).
 void run_on_et_threadpool(void*, int n, void (*fn)(void*, int), void* arg) {
-  executorch::extension::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) fn(arg, (int)i);
+  std::atomic<int> next{0};
+  executorch::extension::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+    for (int i; (i = next.fetch_add(1)) < n;) fn(arg, i);
   });
 }
 #endif

@@ -438,6 +438,7 @@ class ThreadPool {
 std::mutex g_pool_mutex;  // one parallel region at a time (hosts may call from several threads)
 std::atomic<int> g_threads{0};
 std::atomic<int> g_last_call_threads{0};  // see last_call_threads()
+std::atomic<int> g_last_call_pool{0};     // see last_call_pool()
 std::atomic<int> g_next_thread_slot{0};
 
 // a small id per thread that ever ran attention items (for last_call_threads; slots repeat after 64)
@@ -464,6 +465,8 @@ int default_threads() {
 void set_num_threads(int n) { g_threads.store(n > 0 ? n : 0); }
 
 int last_call_threads() { return g_last_call_threads.load(); }
+
+CallPool last_call_pool() { return (CallPool)g_last_call_pool.load(); }
 
 int num_threads() {
   const int n = g_threads.load();
@@ -749,10 +752,12 @@ int paged_attention(const PagedAttnParams& P, const PagedAttnBuffers& B, char* e
     work += P.window > 0 ? std::min<int64_t>(p + 1, P.window) : p + 1;
   }
   work *= (int64_t)Hkv * (ctx.G + 1) * D;
+  CallPool ran_in = CallPool::kCaller;
   if (host && host->run) {  // the host's threads (the split above does not depend on them)
     if (work < kParallelMinWork || items == 1) {
       for (int i = 0; i < items; ++i) task(i);
     } else {
+      ran_in = CallPool::kHost;
       host->run(host->ctx, items, [](void* f, int i) { (*static_cast<const std::function<void(int)>*>(f))(i); },
                 const_cast<void*>(static_cast<const void*>(&task)));
     }
@@ -765,10 +770,12 @@ int paged_attention(const PagedAttnParams& P, const PagedAttnBuffers& B, char* e
     if (want <= 0) {
       for (int i = 0; i < items; ++i) task(i);
     } else {
+      ran_in = CallPool::kOwn;
       pool().run(items, task);
     }
   }
   g_last_call_threads.store(__builtin_popcountll(ran_on.load()));
+  g_last_call_pool.store((int)ran_in);
   if (split > 1) {  // merge the parts (part = -1)
     float* scratch = thread_scratch(scratch_n);
     for (int i = 0; i < T * Hkv; ++i) fn(ctx, i / Hkv, i % Hkv, scratch);
@@ -796,4 +803,5 @@ int pagedkv_active_isa(void) { return (int)pagedkv::active_isa(); }
 void pagedkv_set_num_threads(int n) { pagedkv::set_num_threads(n); }
 int pagedkv_num_threads(void) { return pagedkv::num_threads(); }
 int pagedkv_last_call_threads(void) { return pagedkv::last_call_threads(); }
+int pagedkv_last_call_pool(void) { return (int)pagedkv::last_call_pool(); }
 }

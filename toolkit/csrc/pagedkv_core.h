@@ -92,9 +92,12 @@ const char* isa_name(Isa isa);
 // else hardware concurrency).
 void set_num_threads(int n);
 int num_threads();
-// How many threads ran the attention of the most recent call (1: all on the calling thread; counts
-// up to 64 distinct threads). A diagnostic: which pool a host's calls actually run on.
+// Diagnostics of the most recent call: how many threads ran its attention (1: all on the calling
+// thread; counts up to 64 distinct threads), and where its parallel region went: none (too little
+// work, the calling thread), the core's own pool, or the host's pool.
 int last_call_threads();
+enum class CallPool : int { kCaller = 0, kOwn = 1, kHost = 2 };
+CallPool last_call_pool();
 
 // ---- quantization building blocks (bit exact with toolkit/quant.py), exposed for tests ---------
 uint16_t fp32_to_fp16(float x);  // round to nearest even
@@ -117,4 +120,5 @@ PAGEDKV_C_API int pagedkv_active_isa(void);
 PAGEDKV_C_API void pagedkv_set_num_threads(int n);
 PAGEDKV_C_API int pagedkv_num_threads(void);  // the threads a call may use (the core's own pool)
 PAGEDKV_C_API int pagedkv_last_call_threads(void);
+PAGEDKV_C_API int pagedkv_last_call_pool(void);  // 0 calling thread, 1 the core's pool, 2 the host's
 }

@@ -390,9 +390,11 @@ static void test_threads() {
   Case a = base;
   std::vector<float> oa, ob;
   run_case(a, oa);
+  CHECK(last_call_pool() == CallPool::kCaller, "1 thread: no parallel region");
   set_num_threads(4);
   Case b = base;
   run_case(b, ob);
+  CHECK(last_call_pool() == CallPool::kOwn, "4 threads: the core's own pool");
   set_num_threads(0);
   CHECK(oa == ob && a.codes == b.codes && a.stage == b.stage, "threads change the result");
 }
@@ -424,13 +426,15 @@ static void test_host_pool() {
   hp.ctx = &host;
   run_case(b, ob, nullptr, &hp);
   set_num_threads(0);
-  CHECK(host.calls == 1, "the host pool ran %d parallel regions, want 1", host.calls);
+  CHECK(host.calls == 1 && last_call_pool() == CallPool::kHost, "the host pool ran %d parallel regions, want 1",
+        host.calls);
   CHECK(last_call_threads() >= 1 && last_call_threads() <= 3, "last_call_threads %d", last_call_threads());
   CHECK(oa == ob && a.codes == b.codes && a.stage == b.stage, "a host pool changes the result");
   Case c = make_case(2, 1, 64, 16, 8, 4, true, true, 1, 0, 0.f, false, 0, {20});  // little work: no region
   std::vector<float> oc;
   run_case(c, oc, nullptr, &hp);
-  CHECK(host.calls == 1 && last_call_threads() == 1, "a short call must stay on the calling thread");
+  CHECK(host.calls == 1 && last_call_threads() == 1 && last_call_pool() == CallPool::kCaller,
+        "a short call must stay on the calling thread");
 }
 
 int main() {
