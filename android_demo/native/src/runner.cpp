@@ -19,6 +19,18 @@
 #include "json.h"
 #include "pagedkv_core.h"
 
+// ExecuTorch's threadpool: the executorch wheel ships its library (libexecutorch_threadpool.so, linked
+// here) but not extension/threadpool/threadpool.h. These declarations are the part of that header
+// the runner calls (ExecuTorch 1.5.1, the version the kernels are built against).
+namespace executorch::extension::threadpool {
+class ThreadPool {
+ public:
+  size_t get_thread_count() const;
+  bool _unsafe_reset_threadpool(uint32_t new_thread_count);
+};
+ThreadPool* get_threadpool();
+}  // namespace executorch::extension::threadpool
+
 namespace pagedkv_rt {
 
 namespace et = executorch::runtime;
@@ -120,6 +132,7 @@ struct Runner::Impl {
     s.prefill_tok_s = prefill_s > 0 ? prefill_tokens / prefill_s : 0;
     s.decode_tok_s = decode_s > 0 ? decode_tokens / decode_s : 0;
     s.isa = pagedkv::isa_name(pagedkv::active_isa());
+    s.threads = static_cast<int>(executorch::extension::threadpool::get_threadpool()->get_thread_count());
     std::lock_guard<std::mutex> g(stats_mu);
     snapshot = s;
   }
@@ -363,7 +376,10 @@ Runner::Runner(const RunnerConfig& cfg) : impl_(new Impl) {
     if (want == pagedkv::Isa::kAuto || !pagedkv::set_isa(want))
       throw RunnerError(ErrorCode::kArgument, "kernel code path '" + cfg.isa + "' is not available on this CPU");
   }
-  if (cfg.num_threads > 0) pagedkv::set_num_threads(cfg.num_threads);
+  // one pool for the whole model: the kernel library runs the attention on ExecuTorch's threadpool
+  // (built with ET_USE_THREADPOOL), the same threads XNNPACK runs the linears on
+  if (cfg.num_threads > 0)
+    executorch::extension::threadpool::get_threadpool()->_unsafe_reset_threadpool(static_cast<uint32_t>(cfg.num_threads));
   impl_->allocate_and_load(dir);
   impl_->refresh_stats();
 }

@@ -31,7 +31,8 @@ struct RunnerConfig {
   std::string artifacts_dir;
   int64_t pool_budget_bytes = 0;  // bytes for KV blocks (all layers); 0 = every block the .pte holds
   bool prefault = true;           // touch the committed pages at startup so the memory is really there
-  int num_threads = 0;            // kernel threads (0 = default)
+  int num_threads = 0;            // threads of ExecuTorch's threadpool, which runs the linears (XNNPACK)
+                                  // and the attention kernel (0 = its default: one per core)
   std::string isa;                // "" = best available; "scalar", "neon", "neon-dotprod", "avx2" to force
   int prefill_chunk = 0;          // tokens per prefill call (0 = the .pte's max_tokens_per_call)
   int fail_allocation_at = -1;    // tests: make the allocation of this arena fail
@@ -60,6 +61,7 @@ struct PoolStats {
   int64_t prefill_tokens = 0, decode_tokens = 0;
   double prefill_tok_s = 0, decode_tok_s = 0;
   std::string isa;
+  int threads = 0;  // ExecuTorch's threadpool (linears and attention kernel)
 };
 
 struct ShrinkResult {

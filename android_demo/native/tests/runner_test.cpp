@@ -113,6 +113,15 @@ int main(int argc, char** argv) {
       if (st.isa != g_expect_isa) std::printf("    isa %s, expected %s\n", st.isa.c_str(), g_expect_isa.c_str());
       CHECK(st.isa == g_expect_isa);
     }
+    CHECK(st.threads >= 1);
+  });
+
+  s.run("num_threads_sizes_the_one_threadpool", [] {
+    RunnerConfig c = cfg();
+    c.num_threads = 1;
+    CHECK_EQ(Runner(c).stats().threads, 1);
+    c.num_threads = 2;
+    CHECK_EQ(Runner(c).stats().threads, 2);
   });
 
   s.run("tokenizer_matches_hf_ids", [] {
