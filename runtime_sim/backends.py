@@ -137,7 +137,6 @@ class ExecuTorchBackend:
 
         load_executorch_kernels()
         from executorch.extension.pybindings import portable_lib
-        from executorch.extension.pybindings.portable_lib import _load_for_executorch
 
         # threads > 0 resizes ExecuTorch's threadpool, which the linears (XNNPACK) and the pagedkv
         # kernels share; the pool is one per process, so this applies to every program in it
@@ -147,7 +146,7 @@ class ExecuTorchBackend:
 
         self.layout = layout
         self.max_tokens = int(entry.get("max_tokens_per_call", 64))
-        self.module = _load_for_executorch(str(pte_path))
+        self.module = portable_lib._load_for_executorch(str(pte_path))
         self._pools = None  # numpy views of the program's pool buffers, known after the first step
 
     def forward(self, ids, positions, seq_ids, tables) -> np.ndarray:

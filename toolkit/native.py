@@ -101,8 +101,9 @@ def set_kernel_threads(lib: ctypes.CDLL, threads: int) -> int:
     """Size of the C++ core's own thread pool in one loaded library: threads > 0, or 0 for the default
     (env PAGEDKV_NUM_THREADS, else every core). Returns the count now in effect. Each host library has
     its own copy of the core (built with hidden symbols), so its own setting. The onnxruntime and
-    ExecuTorch libraries run the op on their runtime's threads instead (the session's intra-op threads,
-    ExecuTorch's threadpool); the own pool serves hosts without one (the Android runner, the core bench)."""
+    ExecuTorch libraries (and the Android runner) run the op on their runtime's threads instead (the
+    session's intra-op threads, ExecuTorch's threadpool); the own pool serves calls without a host pool
+    (the core bench and tests)."""
     if threads < 0:
         raise PagedKVError(f"threads={threads}: use a positive count, or 0 for the default.")
     lib.pagedkv_set_num_threads.argtypes = [ctypes.c_int]

@@ -10,9 +10,10 @@
 #include <executorch/runtime/core/exec_aten/util/tensor_util.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
 #include <executorch/runtime/platform/log.h>
-#ifdef ET_USE_THREADPOOL
-#include <executorch/runtime/kernel/thread_parallel_interface.h>
+#ifndef ET_USE_THREADPOOL
+#error "build with ET_USE_THREADPOOL and link libexecutorch_threadpool: the op runs on ExecuTorch's threadpool"
 #endif
+#include <executorch/runtime/kernel/thread_parallel_interface.h>
 
 #include <atomic>
 #include <cstdint>
@@ -58,7 +59,6 @@ void remember_pools(int64_t layer, Tensor& codes, Tensor& scales, Tensor& stage)
   }
 }
 
-#ifdef ET_USE_THREADPOOL
 // pagedkv::HostPool::run on ExecuTorch's threadpool. parallel_for makes one task per thread (inline when
 // the pool has one thread or the caller already runs inside it); each task takes the next item until
 // none is left, so a worker that wakes late takes what remains instead of its fixed share (the caller,
@@ -69,7 +69,6 @@ void run_on_et_threadpool(void*, int n, void (*fn)(void*, int), void* arg) {
     for (int i; (i = next.fetch_add(1)) < n;) fn(arg, i);
   });
 }
-#endif
 
 Tensor& fail(KernelRuntimeContext& ctx, Tensor& out, const char* msg) {
   ET_LOG(Error, "%s", msg);
@@ -125,13 +124,9 @@ Tensor& quantized_paged_attention_out(KernelRuntimeContext& ctx, const Tensor& q
   b.block_tables = block_tables.const_data_ptr<int64_t>();
   b.sinks = sinks.numel() ? sinks.const_data_ptr<float>() : nullptr;
   b.out = out.mutable_data_ptr<float>();
-#ifdef ET_USE_THREADPOOL
   pagedkv::HostPool host;  // ExecuTorch's threadpool (the one XNNPACK runs the linears on)
   host.run = run_on_et_threadpool;
   rc = pagedkv::paged_attention(p, b, err, sizeof err, &host);
-#else
-  rc = pagedkv::paged_attention(p, b, err, sizeof err);  // the core's own threads
-#endif
   if (rc) return fail(ctx, out, err);
   remember_pools(layer, codes, scales, stage);
   return out;

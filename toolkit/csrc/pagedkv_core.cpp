@@ -752,19 +752,21 @@ int paged_attention(const PagedAttnParams& P, const PagedAttnBuffers& B, char* e
     work += P.window > 0 ? std::min<int64_t>(p + 1, P.window) : p + 1;
   }
   work *= (int64_t)Hkv * (ctx.G + 1) * D;
+  // little work runs on the calling thread; the split above does not depend on the threads, so
+  // neither does the result
+  const bool parallel = work >= kParallelMinWork && items > 1;
   CallPool ran_in = CallPool::kCaller;
-  if (host && host->run) {  // the host's threads (the split above does not depend on them)
-    if (work < kParallelMinWork || items == 1) {
-      for (int i = 0; i < items; ++i) task(i);
-    } else {
+  if (host && host->run) {  // the host's threads
+    if (parallel) {
       ran_in = CallPool::kHost;
       host->run(host->ctx, items, [](void* f, int i) { (*static_cast<const std::function<void(int)>*>(f))(i); },
                 const_cast<void*>(static_cast<const void*>(&task)));
+    } else {
+      for (int i = 0; i < items; ++i) task(i);
     }
   } else {
     std::lock_guard<std::mutex> lk(g_pool_mutex);
-    // the split above does not depend on this, so neither does the result
-    const int want = work < kParallelMinWork ? 0 : std::min(num_threads(), items) - 1;
+    const int want = parallel ? std::min(num_threads(), items) - 1 : 0;
     const int nthreads = std::max(0, std::min(num_threads() - 1, 64));
     if (pool().workers() != nthreads) pool().resize(nthreads);
     if (want <= 0) {
