@@ -365,6 +365,62 @@ static void test_quant_paths_agree() {
   }
 }
 
+// A query with a NaN or an infinity: every SIMD path gives NaN exactly where the scalar path does (the
+// fused paths fall back to their float loops for such runs), the other outputs as in check_paths_agree.
+static void test_nonfinite_query_paths_agree() {
+  Case base = make_case(6, 2, 64, 16, 8, 4, true, true, 1, 0, 0.f, false, 0, {200, 90});
+  set_quant_spec(base, 64, 32, true, false);  // the default spec
+  const int T = base.p.T, D = base.D;
+  base.q[((size_t)0 * T + 199) * D + 5] = NAN;        // head 0 (KV head 0), last token of sequence 0
+  base.q[((size_t)4 * T + 150) * D + 7] = INFINITY;   // head 4 (KV head 1)
+  set_isa(Isa::kScalar);
+  Case c0 = base;
+  std::vector<float> out0;
+  CHECK(run_case(c0, out0) == 0, "run");
+  size_t nans = 0;
+  for (float x : out0) nans += std::isnan(x);
+  CHECK(nans >= (size_t)D, "scalar path: %zu NaN outputs, expected the rows of the non-finite queries", nans);
+  for (Isa isa : simd_paths()) {
+    set_isa(isa);
+    Case c1 = base;
+    std::vector<float> out1;
+    CHECK(run_case(c1, out1) == 0, "run");
+    size_t differ = 0;
+    float e = 0.f;
+    for (size_t i = 0; i < out0.size(); ++i) {
+      if (std::isnan(out0[i]) != std::isnan(out1[i])) ++differ;
+      if (!std::isnan(out0[i]) && !std::isnan(out1[i]))
+        e = std::max(e, std::fabs(out1[i] - out0[i]) / (std::fabs(out0[i]) + 1e-2f));
+    }
+    CHECK(differ == 0, "%s: %zu outputs NaN on one path only", isa_name(isa), differ);
+    CHECK(e < 1e-4f, "%s vs scalar, non-finite query: max rel err %g", isa_name(isa), e);
+  }
+  set_isa(Isa::kAuto);
+}
+
+// A pool whose V scales were flipped negative (as a corrupt pool could hold; the writer never stores one):
+// every path still computes u * s + z as the reference does (the integer V path of avx512-vnni hands such
+// runs to its float loop).
+static void test_negative_scales_paths_agree() {
+  Case base = make_case(6, 2, 64, 16, 8, 4, true, true, 1, 0, 0.f, false, 0, {150});
+  set_quant_spec(base, 64, 32, true, false);  // the default spec
+  set_isa(Isa::kScalar);
+  std::vector<float> out;
+  CHECK(run_case(base, out) == 0, "prefill");
+  const int ngk = base.D / base.p.k_group, ngv = base.D / base.p.v_group;
+  for (size_t r = 0; r < base.scales.size() / base.p.scale_width; r += 3)  // every third record: V scales
+    for (int g = 0; g < ngv; ++g) base.scales[r * base.p.scale_width + ngk + g] ^= 0x8000;
+  // a decode step of token 150 over the altered pool
+  Case step = base;
+  step.p.T = 1;
+  step.pos = {150}, step.seq = {0};
+  step.q.resize((size_t)step.Hq * base.D), step.k.resize((size_t)step.Hkv * base.D), step.v.resize((size_t)step.Hkv * base.D);
+  for (auto& x : step.q) x = randn();
+  for (auto& x : step.k) x = randn();
+  for (auto& x : step.v) x = randn();
+  check_paths_agree(step, "negative V scales", 0);
+}
+
 static void test_errors() {
   Case c = make_case(2, 1, 64, 16, 8, 4, true, true, 1, 0, 0.f, false, 0, {20});
   std::vector<uint8_t> codes0 = c.codes;
@@ -443,6 +499,8 @@ int main() {
   test_attention_vs_naive();
   test_paths_agree();
   test_quant_paths_agree();
+  test_nonfinite_query_paths_agree();
+  test_negative_scales_paths_agree();
   test_errors();
   test_threads();
   test_host_pool();
