@@ -132,7 +132,16 @@ def _pools(hkv, d, ctx, seed):
         scales[..., nk + nvg:] = -rng.uniform(0.1, 0.5, size=scales[..., nk + nvg:].shape).astype(np.float16)
     stage = (rng.standard_normal((1, 2, 2, hkv, BLOCK, d)) * 0.5).astype(np.float16)
     table = rng.permutation(nb)[:nblk].astype(np.int64).reshape(1, nblk)
-    return codes, scales, stage, table
+    return (*(_aligned_copy(a) for a in (codes, scales, stage)), table)
+
+
+def _aligned_copy(a):
+    """a in a cache-line-aligned array, as the runtimes allocate pools (toolkit.pool_layout)."""
+    from toolkit.pool_layout import zeros_aligned
+
+    out = zeros_aligned(a.shape, a.dtype)
+    out[...] = a
+    return out
 
 
 def _our_bytes(hkv, d, ctx):

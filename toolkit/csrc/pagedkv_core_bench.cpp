@@ -8,6 +8,8 @@
 // the pool stays in L1/L2: the step without cache misses). BENCH_WALK=1: no attention, the memory floor of
 // the step: the same pool bytes read in the kernel's order (per KV head, the table's blocks: their records'
 // codes and scales) with plain loads and no arithmetic on them, split evenly over the threads.
+// BENCH_POOL_OFFSET=n: the codes start n bytes past a cache line (default 0, as the runtimes allocate
+// them; numpy's own large arrays start 16 bytes past one).
 // "bytes" = what the step reads from the KV cache: codes + fp16 scales of the quantized keys, fp16 rows
 // of the sink block and of the tail (same count as benchmarks/kernels.py).
 #include <algorithm>
@@ -116,7 +118,17 @@ int main(int argc, char** argv) {
   p.num_blocks = M, p.stage_rows = 1, p.table_rows = 1, p.max_blocks_per_seq = M;
   record_widths(p, &p.code_width, &p.scale_width);
 
-  std::vector<uint8_t> codes((size_t)M * Hkv * bs * p.code_width);
+  const size_t pool_off = std::getenv("BENCH_POOL_OFFSET") ? (size_t)std::atoi(std::getenv("BENCH_POOL_OFFSET")) % 64 : 0;
+  const size_t ncodes = (size_t)M * Hkv * bs * p.code_width;
+  std::vector<uint8_t> codes_buf(ncodes + 128);
+  uint8_t* const codes_at = reinterpret_cast<uint8_t*>(((uintptr_t)codes_buf.data() + 63) & ~(uintptr_t)63) + pool_off;
+  struct Bytes {  // the codes: ncodes bytes at codes_at
+    uint8_t* p;
+    size_t n;
+    uint8_t* data() const { return p; }
+    uint8_t* begin() const { return p; }
+    uint8_t* end() const { return p + n; }
+  } codes{codes_at, ncodes};
   std::vector<uint16_t> scales((size_t)M * Hkv * bs * p.scale_width), stage((size_t)4 * Hkv * bs * D);
   for (auto& c : codes) c = (uint8_t)rng();
   for (auto& s : scales) s = fp32_to_fp16(0.01f + 0.01f * std::fabs(nd(rng)));
