@@ -302,20 +302,22 @@ __attribute__((target("avx512f,avx512vnni"))) inline __m512i dpb(__m512i acc, __
 
 // One 64-dim row of 16 keys (u: transpose16 of their code rows) against HT <= 3 heads: per head the limb
 // dots A, B, C, added to ab (256 A + B, exact in int32, see scores_vnni) and cc (C). ql[h]: the 3 x 16
-// limb dwords of head h for this row. P partial sums per chain, each over a contiguous share of the 16
-// dwords, keep >= 9 dependency chains in flight (12 for 2 heads, 18 for 3; the sums of the first share
+// limb dwords of head h for this row. Also prefetches the npf lines at pf, spread over the dword steps.
+// P partial sums per chain, each over a contiguous share of the 16 dwords, keep >= 9 dependency chains in
+// flight (12 for 2 heads, 18 for 3; the sums of the first share
 // are done early, so the registers hold the sums and the dwords still to come: with 3 heads ~10%
 // faster scores than one sum per chain, measured on a hot pool; by dword parity all 16 dwords would
 // stay live and spill).
 template <int HT>
 __attribute__((target("avx512f,avx512vnni"))) inline void vnni_row(const __m512i* u, const int32_t* const* ql, __m512i* ab,
-                                                               __m512i* cc) {
+                                                               __m512i* cc, const char* pf = nullptr, int npf = 0) {
   constexpr int P = HT == 1 ? 3 : 2;
   __m512i A[HT][P], B[HT][P], C[HT][P];
   for (int h = 0; h < HT; ++h)
     for (int p = 0; p < P; ++p) A[h][p] = B[h][p] = C[h][p] = _mm512_setzero_si512();
 #pragma GCC unroll 16
   for (int d = 0; d < 16; ++d) {
+    for (int o = d; o < npf; o += 16) _mm_prefetch(pf + 64 * o, _MM_HINT_T0);
 #pragma GCC unroll 3
     for (int h = 0; h < HT; ++h) {
       const int p = d * P / 16;
@@ -339,12 +341,14 @@ __attribute__((target("avx512f,avx512vnni"))) inline void vnni_row(const __m512i
 // accumulate over the group's rows; |A|, |B| <= 128 * 255 * 128 for groups of <= 128 dims, so 256 A + B
 // stays below 2^31. Prefetched while a 16-key chunk is scored (core bench, 16K, shuffled pool: without
 // any prefetch 0.90 ms, with these 0.70 at SmolLM2 dims): every line of the next chunk's records, a
-// share before each 64-dim row (at 32/8/128, ~8% faster than all at once); in the last chunk the next
+// share per 64-dim row, spread over its 16 dword steps in vnni_row (one or two lines per step: against
+// the whole share before the row, 4% faster steps at SmolLM2 dims and 7-10% at 32/8/128 (bursts of
+// prefetches stall the loads behind them); all at once was ~8% slower still); in the last chunk the next
 // run's first block (QuantRun::next_codes); the scales of one of the next run's blocks per chunk.
-// Prefetching further ahead (whole blocks from the block-table walk, or the next run spread over the
-// V pass) was slower. NR: 64-dim rows per K group (1 or 2), a compile-time count so that the row loop
-// unrolls and the per-row prefetch share is computed once per chunk (the K pass measured ~15% of its time
-// in per-chunk bookkeeping with both at run time).
+// Prefetching further ahead (whole blocks from the block-table walk, the next run spread over the V pass,
+// or two chunks ahead with the spread) was no faster. NR: 64-dim rows per K group (1 or 2), a compile-time
+// count so that the row loop unrolls and the per-row prefetch share is computed once per chunk (the K pass
+// measured ~15% of its time in per-chunk bookkeeping with both at run time).
 template <bool SYM, int GN, int NR>
 __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r, const VnniQ& vq, int g0, const float* qsum,
                                                           float scale, float* sc, int ldsc) {
@@ -393,7 +397,8 @@ __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r
 #pragma GCC unroll 2
       for (int row = gi * NR; row < (gi + 1) * NR; ++row) {
         __m512i x[16], u[16];
-        for (size_t o = share * row; o < std::min(share * (row + 1), pf_bytes); o += 64) _mm_prefetch(pf + o, _MM_HINT_T0);
+        const size_t o0 = share * row, o1 = std::min(share * (row + 1), pf_bytes);
+        const int npf = o1 > o0 ? (int)((o1 - o0 + 63) / 64) : 0;  // lines of this row's share
         if (flat) {
           for (int k = 0; k < 16; ++k) x[k] = _mm512_loadu_si512(base + k * W + 64 * row);
         } else {
@@ -404,10 +409,10 @@ __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r
         for (int g = 0; g < GN; ++g)
           ql[g] = reinterpret_cast<const int32_t*>(vq.limbs + ((size_t)(g0 + g) * nrow + row) * 3 * 64);
         if constexpr (GN == 4) {  // two tiles of 2 heads (registers)
-          vnni_row<2>(u, ql, ab, cc);
-          vnni_row<2>(u, ql + 2, ab + 2, cc + 2);
+          vnni_row<2>(u, ql, ab, cc, pf + o0, npf / 2);
+          vnni_row<2>(u, ql + 2, ab + 2, cc + 2, pf + o0 + 64 * (npf / 2), npf - npf / 2);
         } else {
-          vnni_row<GN>(u, ql, ab, cc);
+          vnni_row<GN>(u, ql, ab, cc, pf + o0, npf);
         }
       }
       const __m512 ks = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, rows, m0 + gi, 4);
