@@ -304,10 +304,9 @@ __attribute__((target("avx512f,avx512vnni"))) inline __m512i dpb(__m512i acc, __
 // dots A, B, C, added to ab (256 A + B, exact in int32, see scores_vnni) and cc (C). ql[h]: the 3 x 16
 // limb dwords of head h for this row. Also prefetches the npf lines at pf, spread over the dword steps.
 // P partial sums per chain, each over a contiguous share of the 16 dwords, keep >= 9 dependency chains in
-// flight (12 for 2 heads, 18 for 3; the sums of the first share
-// are done early, so the registers hold the sums and the dwords still to come: with 3 heads ~10%
-// faster scores than one sum per chain, measured on a hot pool; by dword parity all 16 dwords would
-// stay live and spill).
+// flight (12 for 2 heads, 18 for 3; the sums of the first share are done early, so the registers hold the
+// sums and the dwords still to come: with 3 heads ~10% faster scores than one sum per chain, measured on
+// a hot pool; by dword parity all 16 dwords would stay live and spill).
 template <int HT>
 __attribute__((target("avx512f,avx512vnni"))) inline void vnni_row(const __m512i* u, const int32_t* const* ql, __m512i* ab,
                                                                __m512i* cc, const char* pf = nullptr, int npf = 0) {
