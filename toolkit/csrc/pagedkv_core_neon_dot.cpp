@@ -13,6 +13,7 @@
 // 2-3x closer to the exact dot than s_k * dot(q, u) + z * sum(q)).
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "pagedkv_neon_ops.h"
 
@@ -44,10 +45,14 @@ inline int limb_dim(int t, int k_bits) { return k_bits == 4 ? (t < 8 ? 2 * t : 2
 // so the scores become NaN as in the scalar path).
 float split_q_limbs(const float* q, int n, int k_bits, int8_t* limbs) {
   float m = 0.f;
-  for (int i = 0; i < n; ++i) m = std::max(m, std::fabs(q[i]));
-  if (!std::isfinite(m)) {
+  bool finite = true;  // (a NaN would slip through the maximum: std::max(m, NaN) is m)
+  for (int i = 0; i < n; ++i) {
+    finite = finite && std::isfinite(q[i]);
+    m = std::max(m, std::fabs(q[i]));
+  }
+  if (!finite) {
     std::fill(limbs, limbs + (size_t)3 * n, (int8_t)0);
-    return m - m;  // NaN
+    return std::numeric_limits<float>::quiet_NaN();
   }
   int e = 0;
   if (m > 0.f) {
