@@ -524,6 +524,40 @@ inline void vacc_pass(const QuantRun& r, const float* coef, const float* zt, int
   }
 }
 
+// The scales (and, asym, zeros) of V group k for the run's keys as vectors, lanes = keys: sv[ch], zv[ch]
+// for the 16-key chunks ch < nch, gathered from the float meta (rows: lane k = k * Ws).
+template <bool SYM>
+inline void gather_v_meta(const QuantRun& r, int ngv, int k, int nch, const __mmask16* mk, __m512i rows, __m512* sv,
+                          __m512* zv) {
+  const float* mv = r.metaf + r.ksc;
+  for (int ch = 0; ch < nch; ++ch) {
+    const float* m = mv + (size_t)16 * ch * r.Ws;
+    sv[ch] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk[ch], rows, m + k, 4);
+    if (!SYM) zv[ch] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk[ch], rows, m + ngv + k, 4);
+  }
+}
+
+// Sums of p * z vectors (one per (head, group) pair) into zt[index], reduced four at a time by hsum4.
+struct ZeroSums {
+  float* zt;
+  __m512 v[4];
+  int n = 0, at[4];
+  explicit ZeroSums(float* out) : zt(out) {}
+  void add(__m512 pz, int index) {
+    v[n] = pz;
+    at[n++] = index;
+    if (n == 4) flush();
+  }
+  void flush() {
+    if (!n) return;
+    for (int j = n; j < 4; ++j) v[j] = _mm512_setzero_ps();
+    alignas(16) float t[4];
+    _mm_store_ps(t, hsum4(v[0], v[1], v[2], v[3]));
+    for (int j = 0; j < n; ++j) zt[at[j]] = t[j];
+    n = 0;
+  }
+};
+
 // acc[g] += sum_i p[g][i] * v_i for GN <= 4 heads (g0..g0+GN-1 of the KV head), v_i = s * (u - c)
 // (sym, c = 2^(b-1)) or s * u + z (asym), as sum_i (p * s) * (u - c) [+ sum_i p * z]; the zero-point
 // sums of all (head, group) pairs are reduced four at a time.
@@ -534,22 +568,15 @@ void vacc_tile(const QuantRun& r, const float* p, int ldp, float* acc) {
   const int D = r.D, vg = r.v_group, ngv = D / vg, n = r.n;
   alignas(64) float coef[4 * 32 * kRK];  // [head][group][key]: p * s
   alignas(64) float zt[4 * 32 + 4];      // [head][group]: sum_i p * z (asym)
-  __m512 zp[4];                          // pending p * z vectors for hsum4
-  int zn = 0, zi[4];
+  ZeroSums zs(zt);
   const int nch = (n + 15) / 16;         // 16-key chunks
   __mmask16 mk[kRK / 16];
   for (int ch = 0; ch < kRK / 16; ++ch) mk[ch] = first_n(n - 16 * ch);
-  // per group: the keys' scales and zeros as vectors (lanes = keys), gathered from the float meta
   const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32((int)r.Ws));
-  const float* mv = r.metaf + r.ksc;
   for (int k = 0; k < ngv; ++k) {
     __m512 sv[kRK / 16], zv[kRK / 16];
-    for (int ch = 0; ch < nch; ++ch) {
-      const float* m = mv + (size_t)16 * ch * r.Ws;
-      sv[ch] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk[ch], rows, m + k, 4);
-      if (!SYM) zv[ch] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk[ch], rows, m + ngv + k, 4);
-    }
+    gather_v_meta<SYM>(r, ngv, k, nch, mk, rows, sv, zv);
     for (int g = 0; g < GN; ++g) {
       const float* pg = p + (size_t)g * ldp;
       float* cf = coef + ((size_t)g * 32 + k) * kRK;
@@ -559,24 +586,10 @@ void vacc_tile(const QuantRun& r, const float* p, int ldp, float* acc) {
         _mm512_store_ps(cf + 16 * ch, _mm512_mul_ps(pc, sv[ch]));
         if (!SYM) pz = _mm512_fmadd_ps(pc, zv[ch], pz);
       }
-      if (!SYM) {
-        zp[zn] = pz;
-        zi[zn++] = g * 32 + k;
-        if (zn == 4) {
-          alignas(16) float t[4];
-          _mm_store_ps(t, hsum4(zp[0], zp[1], zp[2], zp[3]));
-          for (int e = 0; e < 4; ++e) zt[zi[e]] = t[e];
-          zn = 0;
-        }
-      }
+      if (!SYM) zs.add(pz, g * 32 + k);
     }
   }
-  if (zn) {
-    for (int e = zn; e < 4; ++e) zp[e] = _mm512_setzero_ps();
-    alignas(16) float t[4];
-    _mm_store_ps(t, hsum4(zp[0], zp[1], zp[2], zp[3]));
-    for (int e = 0; e < zn; ++e) zt[zi[e]] = t[e];
-  }
+  zs.flush();
   int j0 = 0;
   for (; j0 + 64 <= D; j0 += 64) vacc_pass<BITS, SYM, SPLIT, GN, 64>(r, coef, zt, j0, acc);
   if (j0 + 32 <= D) vacc_pass<BITS, SYM, SPLIT, GN, 32>(r, coef, zt, j0, acc), j0 += 32;
@@ -628,24 +641,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"))) bool vacc_vnni
   // [head][group][quad]: 16 bytes [c of keys 0-3 | b | a | 0] (Q = 65536 a + 256 b + c)
   alignas(64) uint8_t lq[4 * 32 * kQB];
   alignas(64) float zt[4 * 32 + 4];  // [head][group]: sum_i p * z (asym)
+  ZeroSums zs(zt);
   float pw[4][32];                   // [head][group]: 2^e
-  __m512 zp[4];
-  int zn = 0, zi[4];
   __mmask16 mk[kRK / 16];
   for (int ch = 0; ch < kRK / 16; ++ch) mk[ch] = first_n(n - 16 * ch);
   const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32((int)r.Ws));
   // the bytes of each key's Q, limb by limb, per 128-bit lane (4 keys)
   const __m512i limb_order = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, -1, -1, -1, -1));
-  const float* mv = r.metaf + r.ksc;
   __m512 csum = _mm512_setzero_ps(), cmin = _mm512_setzero_ps();  // not finite / negative when a coefficient is
   for (int k = 0; k < ngv; ++k) {
     __m512 sv[kRK / 16], zv[kRK / 16];
-    for (int ch = 0; ch < nch; ++ch) {
-      const float* m = mv + (size_t)16 * ch * r.Ws;
-      sv[ch] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk[ch], rows, m + k, 4);
-      if (!SYM) zv[ch] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk[ch], rows, m + ngv + k, 4);
-    }
+    gather_v_meta<SYM>(r, ngv, k, nch, mk, rows, sv, zv);
     for (int g = 0; g < GN; ++g) {
       const float* pg = p + (size_t)g * ldp;
       __m512 cq[kRK / 16], cmax = _mm512_setzero_ps(), pz = _mm512_setzero_ps();
@@ -671,25 +678,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"))) bool vacc_vnni
       uint8_t* dst = lq + ((size_t)g * 32 + k) * kQB;
       for (int ch = 0; ch < nch; ++ch)  // exact scaling (a power of two), then round to nearest even
         _mm512_store_si512(dst + 64 * ch, _mm512_shuffle_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(cq[ch], vinv)), limb_order));
-      if (!SYM) {
-        zp[zn] = pz;
-        zi[zn++] = g * 32 + k;
-        if (zn == 4) {
-          alignas(16) float t[4];
-          _mm_store_ps(t, hsum4(zp[0], zp[1], zp[2], zp[3]));
-          for (int j = 0; j < 4; ++j) zt[zi[j]] = t[j];
-          zn = 0;
-        }
-      }
+      if (!SYM) zs.add(pz, g * 32 + k);
     }
   }
   if (_mm512_fpclass_ps_mask(csum, 0x01 | 0x08 | 0x10 | 0x80) | _mm512_fpclass_ps_mask(cmin, 0x10 | 0x40)) return false;
-  if (zn) {
-    for (int j = zn; j < 4; ++j) zp[j] = _mm512_setzero_ps();
-    alignas(16) float t[4];
-    _mm_store_ps(t, hsum4(zp[0], zp[1], zp[2], zp[3]));
-    for (int j = 0; j < zn; ++j) zt[zi[j]] = t[j];
-  }
+  zs.flush();
   const __m512i nib = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
   for (int slab = 0; slab < D / 64; ++slab)
     for (int h = 0; h < 2; ++h) {
