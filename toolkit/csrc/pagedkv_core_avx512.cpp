@@ -341,9 +341,9 @@ __attribute__((target("avx512f,avx512vnni"))) inline void vnni_row(const __m512i
 // stays below 2^31. Prefetched while a 16-key chunk is scored (core bench, 16K, shuffled pool: without
 // any prefetch 0.90 ms, with these 0.70 at SmolLM2 dims): every line of the next chunk's records, a
 // share per 64-dim row, spread over its 16 dword steps in vnni_row (one or two lines per step: against
-// the whole share before the row, 4% faster steps at SmolLM2 dims and 7-10% at 32/8/128 (bursts of
-// prefetches stall the loads behind them); all at once was ~8% slower still); in the last chunk the next
-// run's first block (QuantRun::next_codes); the scales of one of the next run's blocks per chunk.
+// the whole share before the row, 4% faster steps at SmolLM2 dims and 7-10% at 32/8/128 (a burst of
+// prefetches probably stalls the loads behind it); all at once was ~8% slower still); in the last chunk
+// the next run's first block (QuantRun::next_codes); the scales of one of the next run's blocks per chunk.
 // Prefetching further ahead (whole blocks from the block-table walk, the next run spread over the V pass,
 // or two chunks ahead with the spread) was no faster. NR: 64-dim rows per K group (1 or 2), a compile-time
 // count so that the row loop unrolls and the per-row prefetch share is computed once per chunk (the K pass
@@ -619,6 +619,12 @@ __attribute__((target("avx512f,avx512vnni"))) inline __m512i dpb_rr(__m512i acc,
   return acc;
 }
 
+// [32 bytes at a | 32 bytes at b]
+inline __m512i load_2x32(const uint8_t* a, const uint8_t* b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
 // vpermt2b indices over the table [key 0 | key 1] (32 code bytes each), [key 2 | key 3]: output dword l of
 // half h = byte 16 h + l of keys 0..3 (lane l holds dims 2l (low nibble) and 2l + 1 of the half)
 struct VnniVIdx {
@@ -637,6 +643,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"))) bool vacc_vnni
                                                                                  int ldp, float* acc) {
   const int D = r.D, vg = r.v_group, ngv = D / vg, n = r.n;
   const int nq = (n + 3) / 4, nch = (n + 15) / 16;
+  static_assert(257LL * kRK * 255 * 15 < (1LL << 31), "256 A_a + A_b must fit in int32");
   constexpr int kQB = kRK * 4;  // limb bytes per (head, group): kRK / 4 quads x 16
   // [head][group][quad]: 16 bytes [c of keys 0-3 | b | a | 0] (Q = 65536 a + 256 b + c)
   alignas(64) uint8_t lq[4 * 32 * kQB];
@@ -699,11 +706,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"))) bool vacc_vnni
         const uint8_t* c1 = r.rec(std::min(i + 1, n - 1)) + r.kcb + 32 * slab;
         const uint8_t* c2 = r.rec(std::min(i + 2, n - 1)) + r.kcb + 32 * slab;
         const uint8_t* c3 = r.rec(std::min(i + 3, n - 1)) + r.kcb + 32 * slab;
-        const __m512i z01 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c0))),
-                                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c1)), 1);
-        const __m512i z23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c2))),
-                                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c3)), 1);
-        const __m512i x = _mm512_permutex2var_epi8(z01, idx, z23);
+        const __m512i x = _mm512_permutex2var_epi8(load_2x32(c0, c1), idx, load_2x32(c2, c3));
         __m512i lo = _mm512_and_si512(x, nib), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), nib);
         if (SYM) lo = _mm512_sub_epi8(lo, eight), hi = _mm512_sub_epi8(hi, eight);
         for (int g = 0; g < GN; ++g)
