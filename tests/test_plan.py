@@ -103,3 +103,22 @@ def test_hf_dir_config(tmp_path):
 def test_tiny_family():
     d = load_dims("qwen3")
     assert (d.num_layers, d.num_kv_heads, d.head_dim) == (2, 2, 64)
+
+
+@pytest.mark.parametrize("spec_name", ["default", "fp16"])
+def test_layer_pools_start_on_a_cache_line(spec_name):
+    # the native kernel loads 64-byte rows of each record: a pool 16 bytes past a line (numpy's own large
+    # arrays) would split every one of them
+    import numpy as np
+
+    from toolkit.pool_layout import POOL_ALIGN, zeros_aligned
+
+    layout = PoolLayout(PRESETS[spec_name], 2, SMOL.num_kv_heads, SMOL.head_dim, 16, 1000, 2)
+    arrays = layout.allocate_layer_numpy()
+    for a, shape in zip(arrays, (layout.codes_shape(), layout.scales_shape(), layout.stage_shape())):
+        assert a.ctypes.data % POOL_ALIGN == 0
+        assert a.shape == tuple(shape) and a.flags["C_CONTIGUOUS"] and a.flags["WRITEABLE"]
+        assert not a.any()
+    assert arrays[0].dtype == np.dtype(layout.codes_dtype_name)
+    b = zeros_aligned((3, 5), np.float16, align=256)
+    assert b.ctypes.data % 256 == 0 and b.shape == (3, 5) and b.dtype == np.float16
