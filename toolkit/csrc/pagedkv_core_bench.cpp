@@ -121,16 +121,9 @@ int main(int argc, char** argv) {
   const size_t pool_off = std::getenv("BENCH_POOL_OFFSET") ? (size_t)std::atoi(std::getenv("BENCH_POOL_OFFSET")) % 64 : 0;
   const size_t ncodes = (size_t)M * Hkv * bs * p.code_width;
   std::vector<uint8_t> codes_buf(ncodes + 128);
-  uint8_t* const codes_at = reinterpret_cast<uint8_t*>(((uintptr_t)codes_buf.data() + 63) & ~(uintptr_t)63) + pool_off;
-  struct Bytes {  // the codes: ncodes bytes at codes_at
-    uint8_t* p;
-    size_t n;
-    uint8_t* data() const { return p; }
-    uint8_t* begin() const { return p; }
-    uint8_t* end() const { return p + n; }
-  } codes{codes_at, ncodes};
+  uint8_t* const codes = reinterpret_cast<uint8_t*>(((uintptr_t)codes_buf.data() + 63) & ~(uintptr_t)63) + pool_off;
   std::vector<uint16_t> scales((size_t)M * Hkv * bs * p.scale_width), stage((size_t)4 * Hkv * bs * D);
-  for (auto& c : codes) c = (uint8_t)rng();
+  for (size_t i = 0; i < ncodes; ++i) codes[i] = (uint8_t)rng();
   for (auto& s : scales) s = fp32_to_fp16(0.01f + 0.01f * std::fabs(nd(rng)));
   for (auto& s : stage) s = fp32_to_fp16(nd(rng));
   std::vector<int64_t> table(M);
@@ -146,7 +139,7 @@ int main(int argc, char** argv) {
   const int64_t pos = ctx, seq = 0;
 
   PagedAttnBuffers b;
-  b.q = q.data(), b.k = k.data(), b.v = v.data(), b.codes = codes.data(), b.scales = scales.data();
+  b.q = q.data(), b.k = k.data(), b.v = v.data(), b.codes = codes, b.scales = scales.data();
   b.stage = stage.data(), b.positions = &pos, b.seq_ids = &seq, b.block_tables = table.data(), b.out = out.data();
   const int64_t keys = ctx + 1, tail = keys % bs ? keys % bs : bs, fp16 = bs + tail;
   const int64_t bytes = Hkv * ((keys - fp16) * (p.code_width + 2 * (int64_t)p.scale_width) + fp16 * 2 * 2 * D);
@@ -154,7 +147,7 @@ int main(int argc, char** argv) {
   if (std::getenv("BENCH_WALK")) {
     const int64_t items = (int64_t)Hkv * M;
     const auto part = [&](int t) {
-      return walk_items(p, codes.data(), scales.data(), table.data(), M, items * t / threads, items * (t + 1) / threads);
+      return walk_items(p, codes, scales.data(), table.data(), M, items * t / threads, items * (t + 1) / threads);
     };
     WalkPool wp(threads, part);
     uint64_t sum = 0;
