@@ -140,20 +140,27 @@ struct Attend {
 
   Attend(const AttnContext& ctx, float* scratch)
       : c(ctx), P(*ctx.p), B(*ctx.b), D(ctx.p->D), G(ctx.G), bs(ctx.p->block_size) {
+    // every array starts on a cache line (scratch does: thread_scratch): no vector load or store of a
+    // row splits across two lines
     float* s = scratch;
-    krow = s; s += D;
-    vrow = s; s += D;
-    ubuf = reinterpret_cast<uint8_t*>(s); s += (D + 3) / 4 + 1;
+    auto take = [&s](size_t n) {
+      float* a = s;
+      s += (n + kScratchAlignFloats - 1) / kScratchAlignFloats * kScratchAlignFloats;
+      return a;
+    };
+    krow = take(D);
+    vrow = take(D);
+    ubuf = reinterpret_cast<uint8_t*>(take((D + 3) / 4 + 1));
     ld = run_capacity(bs);
-    sc = s; s += (size_t)G * ld;
-    acc = s; s += (size_t)G * D;
-    mx = s; s += G;
-    l = s; s += G;
-    qsum = s; s += (size_t)G * 32;
-    qk = s; s += 4 * (size_t)G * D;
-    rowm = s; s += G;
-    rows = s; s += G;
-    metaf = s;
+    sc = take((size_t)G * ld);
+    acc = take((size_t)G * D);
+    mx = take(G);
+    l = take(G);
+    qsum = take((size_t)G * 32);
+    qk = take(4 * (size_t)G * D);
+    rowm = take(G);
+    rows = take(G);
+    metaf = take(0);
     fast = kHasFast && c.quantized && (P.k_bits == 8 || P.k_bits == 4) && (P.v_bits == 8 || P.v_bits == 4) &&
            D % 16 == 0 && c.k_group % 16 == 0 && c.v_group % 16 == 0 && D / c.k_group <= 32 &&
            D / c.v_group <= 32 && bs <= 32 && bs % 8 == 0;

@@ -343,9 +343,11 @@ static AttendFn attend_fn(Isa isa) {
 namespace {
 thread_local std::vector<float> tl_scratch;
 
+// n floats starting on a cache line
 float* thread_scratch(size_t n) {
-  if (tl_scratch.size() < n) tl_scratch.resize(n);
-  return tl_scratch.data();
+  if (tl_scratch.size() < n + kScratchAlignFloats) tl_scratch.resize(n + kScratchAlignFloats);
+  const uintptr_t a = reinterpret_cast<uintptr_t>(tl_scratch.data()), line = 4 * kScratchAlignFloats;
+  return reinterpret_cast<float*>((a + line - 1) / line * line);
 }
 
 // how long the caller of a parallel region spins for the workers before it sleeps
