@@ -307,10 +307,11 @@ __attribute__((target("avx512f,avx512vnni"))) inline __m512i dpb(__m512i acc, __
 // flight (12 for 2 heads, 18 for 3; the sums of the first share are done early, so the registers hold the
 // sums and the dwords still to come: with 3 heads ~10% faster scores than one sum per chain, measured on
 // a hot pool; by dword parity all 16 dwords would stay live and spill).
-template <int HT>
+template <int HT, int NPF = -1>
 __attribute__((target("avx512f,avx512vnni"))) inline void vnni_row(const __m512i* u, const int32_t* const* ql, __m512i* ab,
-                                                               __m512i* cc, const char* pf = nullptr, int npf = 0) {
+                                                               __m512i* cc, const char* pf = nullptr, int npf_rt = 0) {
   constexpr int P = HT == 1 ? 3 : 2;
+  const int npf = NPF >= 0 ? NPF : npf_rt;
   __m512i A[HT][P], B[HT][P], C[HT][P];
   for (int h = 0; h < HT; ++h)
     for (int p = 0; p < P; ++p) A[h][p] = B[h][p] = C[h][p] = _mm512_setzero_si512();
@@ -333,6 +334,17 @@ __attribute__((target("avx512f,avx512vnni"))) inline void vnni_row(const __m512i
     }
     ab[h] = _mm512_add_epi32(ab[h], _mm512_add_epi32(_mm512_slli_epi32(A[h][0], 8), B[h][0]));
     cc[h] = _mm512_add_epi32(cc[h], C[h][0]);
+  }
+}
+
+template <int HT>
+__attribute__((target("avx512f,avx512vnni"))) inline void vnni_row_pf(const __m512i* u, const int32_t* const* ql, __m512i* ab,
+                                                                  __m512i* cc, const char* pf, int npf) {
+  switch (npf) {
+    case 0: return vnni_row<HT, 0>(u, ql, ab, cc, pf, 0);
+    case 12: return vnni_row<HT, 12>(u, ql, ab, cc, pf, 12);
+    case 24: return vnni_row<HT, 24>(u, ql, ab, cc, pf, 24);
+    default: return vnni_row<HT>(u, ql, ab, cc, pf, npf);
   }
 }
 
@@ -408,10 +420,10 @@ __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r
         for (int g = 0; g < GN; ++g)
           ql[g] = reinterpret_cast<const int32_t*>(vq.limbs + ((size_t)(g0 + g) * nrow + row) * 3 * 64);
         if constexpr (GN == 4) {  // two tiles of 2 heads (registers)
-          vnni_row<2>(u, ql, ab, cc, pf + o0, npf / 2);
-          vnni_row<2>(u, ql + 2, ab + 2, cc + 2, pf + o0 + 64 * (npf / 2), npf - npf / 2);
+          vnni_row_pf<2>(u, ql, ab, cc, pf + o0, npf / 2);
+          vnni_row_pf<2>(u, ql + 2, ab + 2, cc + 2, pf + o0 + 64 * (npf / 2), npf - npf / 2);
         } else {
-          vnni_row<GN>(u, ql, ab, cc, pf + o0, npf);
+          vnni_row_pf<GN>(u, ql, ab, cc, pf + o0, npf);
         }
       }
       const __m512 ks = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, rows, m0 + gi, 4);
