@@ -309,7 +309,7 @@ __attribute__((target("avx512f,avx512vnni"))) inline __m512i dpb(__m512i acc, __
 // a hot pool; by dword parity all 16 dwords would stay live and spill).
 template <int HT, int NPF = -1>
 __attribute__((target("avx512f,avx512vnni"))) inline void vnni_row(const __m512i* u, const int32_t* const* ql, __m512i* ab,
-                                                               __m512i* cc, const char* pf = nullptr, int npf_rt = 0) {
+                                                               __m512i* cc, const char* pf, int npf_rt) {
   constexpr int P = HT == 1 ? 3 : 2;
   const int npf = NPF >= 0 ? NPF : npf_rt;
   __m512i A[HT][P], B[HT][P], C[HT][P];
