@@ -23,6 +23,12 @@ et-custom-sdpa in its own group right after the others of the same cell, see ISO
   core-walk      no attention: the same pool bytes read in the kernel's order (per KV head, the table's
                  shuffled blocks) with plain loads and no arithmetic (BENCH_WALK=1), split over the threads:
                  the memory floor of the step's access pattern
+  core-cold, core-walk-cold
+                 the best path and the walk again with the caches flushed before every call (the bench
+                 threads read --cold-mib MiB first, untimed: BENCH_COLD_MIB): the pool comes from memory,
+                 as in a model whose weights and other layers' caches pass through the caches between two
+                 calls of one layer. Everything else above runs the same step over and over, so its pool
+                 stays in the last-level cache (260 MiB here, shared) from the second call of a slice on
 
 Threads: onnxruntime intra_op_num_threads (one session per count, allow_spinning=0), ExecuTorch
 _unsafe_reset_threadpool; our kernel runs on those same threads (the session's intra-op pool, ExecuTorch's
@@ -443,13 +449,15 @@ def core_paths() -> list:
     return [p for p in out.split() if p != "scalar"]
 
 
-def core_bench_cmd(path, hq, hkv, d, ctx, threads, reps, hot_blocks=0, walk=False):
+def core_bench_cmd(path, hq, hkv, d, ctx, threads, reps, hot_blocks=0, walk=False, cold_mib=0):
     """(argv, env) of one toolkit/csrc/pagedkv_core_bench run (see core_bench)."""
     env = dict(os.environ)
     if hot_blocks:
         env["BENCH_HOT_BLOCKS"] = str(hot_blocks)
     if walk:
         env["BENCH_WALK"] = "1"
+    if cold_mib:
+        env["BENCH_COLD_MIB"] = str(cold_mib)
     argv = [str(_core_bench_exe()), str(ctx), str(hq), str(hkv), str(d), str(threads), str(reps), path]
     return argv, env
 
@@ -464,15 +472,16 @@ def parse_core_bench(out: str) -> tuple:
     return float(m.group(1)), int(m.group(2))
 
 
-def core_bench(path, hq, hkv, d, ctx, threads, reps=None, hot_blocks=0, walk=False):
+def core_bench(path, hq, hkv, d, ctx, threads, reps=None, hot_blocks=0, walk=False, cold_mib=0):
     """(median ms, bytes) of one decode step of the core alone on one code path (toolkit/csrc/
     pagedkv_core_bench: the default spec, random codes, shuffled blocks; hot_blocks > 0: the block table
     cycles over that many blocks, so the pool stays in the nearest caches; walk: only the reads of the
-    step's pool bytes, in its order, no attention)."""
+    step's pool bytes, in its order, no attention; cold_mib > 0: the caches flushed before every call by
+    reading that many MiB)."""
     import subprocess
 
-    reps = reps or max(20, min(400, int(2e6 / ctx)))
-    argv, env = core_bench_cmd(path, hq, hkv, d, ctx, threads, reps, hot_blocks, walk)
+    reps = reps or (30 if cold_mib else max(20, min(400, int(2e6 / ctx))))
+    argv, env = core_bench_cmd(path, hq, hkv, d, ctx, threads, reps, hot_blocks, walk, cold_mib)
     return parse_core_bench(subprocess.run(argv, capture_output=True, text=True, check=True, env=env).stdout)
 
 
@@ -530,6 +539,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds per cell (default 15, quick 3)")
     ap.add_argument("--slice", type=float, default=None,
                     help="seconds per implementation per round (default 0.03, quick 0.02)")
+    ap.add_argument("--cold-mib", type=int, default=512,
+                    help="MiB read before every call of core-cold / core-walk-cold (0: skip those rows)")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "kernels.json")
     ap.add_argument("--table", type=Path, default=None, metavar="JSON",
                     help="measure nothing: print the BENCHMARKS.md table (one row per cell) of a results file")
@@ -580,6 +591,11 @@ def main(argv=None) -> int:
                 if paths:  # the best path (--paths lists the plainest first) over 8 repeated blocks: no cache misses
                     ms["core-hot"], sizes["core-hot"] = core_bench(paths[-1], hq, hkv, d, ctx, n, hot_blocks=8)
                     ms["core-walk"], sizes["core-walk"] = core_bench(paths[-1], hq, hkv, d, ctx, n, walk=True)
+                    if args.cold_mib:
+                        ms["core-cold"], sizes["core-cold"] = core_bench(paths[-1], hq, hkv, d, ctx, n,
+                                                                         cold_mib=args.cold_mib)
+                        ms["core-walk-cold"], sizes["core-walk-cold"] = core_bench(
+                            paths[-1], hq, hkv, d, ctx, n, walk=True, cold_mib=args.cold_mib)
                 for impl, m in ms.items():
                     b = sizes[impl]
                     rows.append(dict(impl=impl, ctx=ctx, threads=n, q_heads=hq, kv_heads=hkv, head_dim=d, ms=round(m, 4),

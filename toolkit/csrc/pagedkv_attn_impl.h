@@ -59,9 +59,9 @@ struct QuantRun {
   const int* seg_n;       // [nseg] records per segment
   const uint8_t* const* recs;  // [n] codes of each record
   const uint8_t* rec(int i) const { return recs[i]; }
-  // The blocks of the next run (kRunKeys Ops), for prefetching only: codes of its first block (null if
-  // none) and the fp16 scales of up to kMaxRunBlocks blocks.
-  const uint8_t* next_codes;
+  // The blocks of the next run (kRunKeys Ops), for prefetching only: the codes and fp16 scales of each
+  // of its next_nseg (<= kMaxRunBlocks) blocks, block_bytes / W records each.
+  const uint8_t* const* next_codes;
   const uint16_t* const* next_meta;
   int next_nseg;
   size_t block_bytes, block_meta_bytes;  // one block's records: codes, scales
@@ -136,6 +136,7 @@ struct Attend {
   // where the pending blocks came from (the look-ahead of QuantRun::next_*)
   const int64_t* pend_row = nullptr;
   int64_t pend_last = -1, pend_end = -1;  // last block pended, last block of this walk
+  const uint8_t* next_codes[kMaxRunBlocks];
   const uint16_t* next_meta[kMaxRunBlocks];
 
   Attend(const AttnContext& ctx, float* scratch)
@@ -279,14 +280,13 @@ struct Attend {
         for (int i = 0; i < pend_n[s]; ++i) recs[n++] = pend_codes[s] + (size_t)i * W;
       // the next run's blocks, if they are plain pool blocks of this walk
       const size_t Ws = (size_t)P.scale_width;
-      const uint8_t* next_codes = nullptr;
       int next_nseg = 0;
       if (kRunKeys > 0)
         for (int64_t b = pend_last + 1; b <= pend_end && next_nseg < kRunKeys / bs; ++b) {
           const int64_t blk = pend_row[b];
           if (blk < 0 || (c.use_tail && b == pend_end)) break;
           const size_t rec0 = block_rec(blk, cur_h);
-          if (!next_nseg) next_codes = static_cast<const uint8_t*>(B.codes) + rec0 * W;
+          next_codes[next_nseg] = static_cast<const uint8_t*>(B.codes) + rec0 * W;
           next_meta[next_nseg++] = B.scales + rec0 * Ws;
         }
       QuantRun r{pend_codes[0], pend_meta[0], W, Ws, n, D, P.k_bits, c.k_group, P.v_bits,

@@ -352,18 +352,35 @@ __attribute__((target("avx512f,avx512vnni"))) inline void vnni_row_pf(const __m5
   }
 }
 
+// The 16 records of the next run's chunk j (keys 16 j ..) when they lie in one of its blocks; else
+// their lines are prefetched here, record by record, and null is returned (also when it has no chunk j).
+inline const char* next_run_chunk(const QuantRun& r, int j) {
+  const size_t W = r.W, bn = r.block_bytes / W, k0 = 16 * (size_t)j;  // bn: records per block
+  if (k0 / bn >= (size_t)r.next_nseg) return nullptr;
+  if (k0 % bn + 16 <= bn) return reinterpret_cast<const char*>(r.next_codes[k0 / bn] + (k0 % bn) * W);
+  for (size_t k = k0; k < k0 + 16 && k / bn < (size_t)r.next_nseg; ++k)
+    prefetch_lines(r.next_codes[k / bn] + (k % bn) * W, W);
+  return nullptr;
+}
+
 // scores of the run's keys for GN <= 4 heads g0.. (see above). Per 16 keys, head and K group: A, B, C
 // accumulate over the group's rows; |A|, |B| <= 128 * 255 * 128 for groups of <= 128 dims, so 256 A + B
 // stays below 2^31. Prefetched while a 16-key chunk is scored (core bench, 16K, shuffled pool: without
-// any prefetch 0.90 ms, with these 0.70 at SmolLM2 dims): every line of the next chunk's records, a
-// share per 64-dim row, spread over its 16 dword steps in vnni_row (one or two lines per step: against
-// the whole share before the row, 4% faster steps at SmolLM2 dims and 7-10% at 32/8/128 (a burst of
-// prefetches probably stalls the loads behind it); all at once was ~8% slower still); in the last chunk
-// the next run's first block (QuantRun::next_codes); the scales of one of the next run's blocks per chunk.
-// Prefetching further ahead (whole blocks from the block-table walk, the next run spread over the V pass,
-// or two chunks ahead with the spread) was no faster. NR: 64-dim rows per K group (1 or 2), a compile-time
-// count so that the row loop unrolls and the per-row prefetch share is computed once per chunk (the K pass
-// measured ~15% of its time in per-chunk bookkeeping with both at run time).
+// any prefetch 0.90 ms, with these 0.70 at SmolLM2 dims): every line of the records of the chunk two
+// ahead (in the last two chunks, the next run's first two: QuantRun::next_codes), a share per 64-dim
+// row, spread over its 16 dword steps in vnni_row (one or two lines per step: against the whole share
+// before the row, 4% faster steps at SmolLM2 dims and 7-10% at 32/8/128 (a burst of prefetches probably
+// stalls the loads behind it); all at once was ~8% slower still); the scales of one of the next run's
+// blocks per chunk. Two chunks ahead rather than one (core bench, 16K): with the pool evicted from the
+// caches before each call (BENCH_COLD_MIB: a model whose weights and other layers pass through the
+// caches between two calls of one layer) 5% / 10% faster steps at SmolLM2 dims with 1 / 2 threads and
+// 1-3% at 32/8/128 (one chunk's K pass is shorter than a miss to memory); with the pool in the
+// last-level cache within the noise. Further ahead (whole blocks from the block-table walk, the next
+// run spread over the V pass), tried with the pool in the cache, was no faster; prefetching the run
+// after next into L2 as well, cold 8-12% faster at SmolLM2 dims but 7-15% slower with the pool in the
+// cache. NR: 64-dim rows per K group (1 or 2), a compile-time count so that the row loop unrolls and the
+// per-row prefetch share is computed once per chunk (the K pass measured ~15% of its time in per-chunk
+// bookkeeping with both at run time).
 template <bool SYM, int GN, int NR>
 __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r, const VnniQ& vq, int g0, const float* qsum,
                                                           float scale, float* sc, int ldsc) {
@@ -392,17 +409,28 @@ __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r
       for (int b = c; b < (last ? r.next_nseg : std::min(c + 1, r.next_nseg)); ++b)
         prefetch_lines(r.next_meta[b], r.block_meta_bytes);
     }
-    // a contiguous range to prefetch, issued a share per 64-dim row below: the next 16 records of this
-    // run, or in the last chunk the next run's first block
+    // the records of the chunk two ahead: this run's chunk c + 2, past the run's end the next run's
+    // chunk c + 2 - nc (for a run of one chunk also the next run's chunk 0, which no chunk before
+    // covered). A contiguous range is issued a share per 64-dim row below (pf); records that span
+    // blocks, every line of each, now.
     const char* pf = nullptr;
     size_t pf_bytes = 0;
-    if (i0 + 16 >= n) {
-      if (r.next_codes) pf = reinterpret_cast<const char*>(r.next_codes), pf_bytes = r.block_bytes;
-    } else if (i0 + 32 <= n && flat_at(i0 + 16)) {
-      pf = reinterpret_cast<const char*>(r.rec(i0 + 16)), pf_bytes = 16 * W;
+    const int c = i0 / 16, nc = (n + 15) / 16;
+    if (c + 2 < nc) {
+      const int t = i0 + 32;
+      if (t + 16 <= n && flat_at(t)) {
+        pf = reinterpret_cast<const char*>(r.rec(t)), pf_bytes = 16 * W;
+      } else {
+        for (int k = t; k < std::min(t + 16, n); ++k) prefetch_lines(r.rec(k), W);
+      }
+    } else {
+      pf = next_run_chunk(r, c + 2 - nc);
+      pf_bytes = pf ? 16 * W : 0;
+      if (nc == 1) {
+        const char* p0 = next_run_chunk(r, 0);
+        if (p0) prefetch_lines(p0, 16 * W);
+      }
     }
-    if (i0 + 16 < n && !pf)  // the next keys span blocks: every line of each record, now
-      for (int k = i0 + 16; k < std::min(i0 + 32, n); ++k) prefetch_lines(r.rec(k), W);
     const size_t share = (pf_bytes + 64 * nrow - 1) / (64 * nrow) * 64;  // bytes of pf per row (whole lines)
     const float* m0 = r.metaf + (size_t)i0 * r.Ws;
     __m512 tot[GN];
