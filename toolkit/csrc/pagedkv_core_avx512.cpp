@@ -374,11 +374,11 @@ inline const char* next_run_chunk(const QuantRun& r, int j) {
 // blocks per chunk. Two chunks ahead rather than one (core bench, 16K): with the pool evicted from the
 // caches before each call (BENCH_COLD_MIB: a model whose weights and other layers pass through the
 // caches between two calls of one layer) 5% / 10% faster steps at SmolLM2 dims with 1 / 2 threads and
-// 1-3% at 32/8/128 (one chunk's K pass is shorter than a miss to memory); with the pool in the
+// 0.3-3% at 32/8/128 (one chunk's K pass is shorter than a miss to memory); with the pool in the
 // last-level cache within the noise. Further ahead (whole blocks from the block-table walk, the next
 // run spread over the V pass), tried with the pool in the cache, was no faster; prefetching the run
-// after next into L2 as well, cold 8-12% faster at SmolLM2 dims but 7-15% slower with the pool in the
-// cache. NR: 64-dim rows per K group (1 or 2), a compile-time count so that the row loop unrolls and the
+// after next into L2 as well, from memory 5-13% faster at SmolLM2 dims but 7-15% slower with the pool
+// in the cache. NR: 64-dim rows per K group (1 or 2), a compile-time count so that the row loop unrolls and the
 // per-row prefetch share is computed once per chunk (the K pass measured ~15% of its time in per-chunk
 // bookkeeping with both at run time).
 template <bool SYM, int GN, int NR>
