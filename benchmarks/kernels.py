@@ -28,7 +28,7 @@ et-custom-sdpa in its own group right after the others of the same cell, see ISO
                  threads read --cold-mib MiB first, untimed: BENCH_COLD_MIB): the pool comes from memory,
                  as in a model whose weights and other layers' caches pass through the caches between two
                  calls of one layer. Everything else above runs the same step over and over, so its pool
-                 stays in the last-level cache (260 MiB here, shared) from the second call of a slice on
+                 stays in the last-level cache (260 MiB here, shared) from the second call of a slice on.
 
 Threads: onnxruntime intra_op_num_threads (one session per count, allow_spinning=0), ExecuTorch
 _unsafe_reset_threadpool; our kernel runs on those same threads (the session's intra-op pool, ExecuTorch's

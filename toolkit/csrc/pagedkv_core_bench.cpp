@@ -112,7 +112,7 @@ struct Evictor {
     if (buf.empty()) return;
     std::vector<std::thread> th;
     const size_t n = buf.size();
-    for (int t = 1; t < threads; ++t) th.emplace_back([=] { read(n * t / threads, n * (t + 1) / threads); });
+    for (int t = 1; t < threads; ++t) th.emplace_back([this, n, t] { read(n * t / threads, n * (t + 1) / threads); });
     read(0, n / threads);
     for (auto& x : th) x.join();
   }
