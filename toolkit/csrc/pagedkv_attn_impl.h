@@ -65,6 +65,10 @@ struct QuantRun {
   const uint16_t* const* next_meta;
   int next_nseg;
   size_t block_bytes, block_meta_bytes;  // one block's records: codes, scales
+  // The codes of each of the after_nseg blocks of the run after the next one, for touching their
+  // pages early (prefetching only).
+  const uint8_t* const* after_codes;
+  int after_nseg;
 };
 
 // Calls f(std::integral_constant<int, GN>(), g0) for the tiles g0 = 0, 4, 8, .. of the G query heads of
@@ -138,6 +142,7 @@ struct Attend {
   int64_t pend_last = -1, pend_end = -1;  // last block pended, last block of this walk
   const uint8_t* next_codes[kMaxRunBlocks];
   const uint16_t* next_meta[kMaxRunBlocks];
+  const uint8_t* after_codes[kMaxRunBlocks];
 
   Attend(const AttnContext& ctx, float* scratch)
       : c(ctx), P(*ctx.p), B(*ctx.b), D(ctx.p->D), G(ctx.G), bs(ctx.p->block_size) {
@@ -280,18 +285,24 @@ struct Attend {
         for (int i = 0; i < pend_n[s]; ++i) recs[n++] = pend_codes[s] + (size_t)i * W;
       // the next run's blocks, if they are plain pool blocks of this walk
       const size_t Ws = (size_t)P.scale_width;
-      int next_nseg = 0;
+      // and the blocks of the run after it
+      int next_nseg = 0, after_nseg = 0;
       if (kRunKeys > 0)
-        for (int64_t b = pend_last + 1; b <= pend_end && next_nseg < kRunKeys / bs; ++b) {
+        for (int64_t b = pend_last + 1; b <= pend_end && after_nseg < kRunKeys / bs; ++b) {
           const int64_t blk = pend_row[b];
           if (blk < 0 || (c.use_tail && b == pend_end)) break;
           const size_t rec0 = block_rec(blk, cur_h);
-          next_codes[next_nseg] = static_cast<const uint8_t*>(B.codes) + rec0 * W;
-          next_meta[next_nseg++] = B.scales + rec0 * Ws;
+          const uint8_t* codes = static_cast<const uint8_t*>(B.codes) + rec0 * W;
+          if (next_nseg < kRunKeys / bs) {
+            next_codes[next_nseg] = codes;
+            next_meta[next_nseg++] = B.scales + rec0 * Ws;
+          } else {
+            after_codes[after_nseg++] = codes;
+          }
         }
       QuantRun r{pend_codes[0], pend_meta[0], W, Ws, n, D, P.k_bits, c.k_group, P.v_bits,
                  c.v_group, P.k_sym, P.v_sym, c.kcb, c.ksc, metaf, nseg, pend_meta, pend_n, recs,
-                 next_codes, next_meta, next_nseg, (size_t)bs * W, (size_t)bs * Ws * 2};
+                 next_codes, next_meta, next_nseg, (size_t)bs * W, (size_t)bs * Ws * 2, after_codes, after_nseg};
       Ops::q_scores(r, qk, qsum, G, P.scale, sc, ld);
       softmax(n);
       Ops::v_accum(r, sc, ld, G, acc);

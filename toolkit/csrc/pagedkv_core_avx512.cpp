@@ -365,21 +365,27 @@ inline const char* next_run_chunk(const QuantRun& r, int j) {
 
 // scores of the run's keys for GN <= 4 heads g0.. (see above). Per 16 keys, head and K group: A, B, C
 // accumulate over the group's rows; |A|, |B| <= 128 * 255 * 128 for groups of <= 128 dims, so 256 A + B
-// stays below 2^31. Prefetched while a 16-key chunk is scored (core bench, 16K, shuffled pool: without
-// any prefetch 0.90 ms, with these 0.70 at SmolLM2 dims): every line of the records of the chunk two
-// ahead (in the last two chunks, the next run's first two: QuantRun::next_codes), a share per 64-dim
-// row, spread over its 16 dword steps in vnni_row (one or two lines per step: against the whole share
-// before the row, 4% faster steps at SmolLM2 dims and 7-10% at 32/8/128 (a burst of prefetches probably
-// stalls the loads behind it); all at once was ~8% slower still); the scales of one of the next run's
-// blocks per chunk. Two chunks ahead rather than one (core bench, 16K): with the pool evicted from the
-// caches before each call (BENCH_COLD_MIB: a model whose weights and other layers pass through the
-// caches between two calls of one layer) 5% / 10% faster steps at SmolLM2 dims with 1 / 2 threads and
-// 0.3-3% at 32/8/128 (one chunk's K pass is shorter than a miss to memory); with the pool in the
-// last-level cache within the noise. Further ahead (whole blocks from the block-table walk, the next
-// run spread over the V pass), tried with the pool in the cache, was no faster; prefetching the run
-// after next into L2 as well, from memory 5-13% faster at SmolLM2 dims but 7-15% slower with the pool
-// in the cache. NR: 64-dim rows per K group (1 or 2), a compile-time count so that the row loop unrolls and the
-// per-row prefetch share is computed once per chunk (the K pass measured ~15% of its time in per-chunk
+// stays below 2^31.
+// Prefetched while a 16-key chunk is scored (core bench, 16K, shuffled pool: without any prefetch
+// 0.90 ms, with these 0.70 at SmolLM2 dims):
+// - every line of the records of the chunk two ahead (in a run's last two chunks, the next run's first
+//   two: QuantRun::next_codes), a share per 64-dim row, spread over its 16 dword steps in vnni_row (one
+//   or two lines per step: against the whole share before the row, 4% faster steps at SmolLM2 dims and
+//   7-10% at 32/8/128, as a burst of prefetches probably stalls the loads behind it; all at once was ~8%
+//   slower still). Two chunks ahead rather than one: with the pool evicted from the caches before each
+//   call (BENCH_COLD_MIB: a model whose weights and other layers pass through the caches between two
+//   calls of one layer) 5% / 10% faster steps at SmolLM2 dims with 1 / 2 threads and 0.3-3% at 32/8/128
+//   (one chunk's K pass is shorter than a miss to memory); with the pool in the cache within the noise;
+// - the scales of one of the next run's blocks per chunk;
+// - the first line of each block of the run after the next, one block per chunk, into L2. That line
+//   matters for its page: a shuffled pool puts nearly every block on another 4 KiB page, and the
+//   prefetch walks the page's translation a run before the block is read (1 thread, pool evicted before
+//   each call: 3-5% faster steps at SmolLM2 dims, ~3% at 32/8/128; in the cache within the noise).
+// Not kept: whole blocks ahead from the block-table walk, the next run spread over the V pass (with the
+// pool in the cache, no faster); every line of the run after next into L2 (from memory 5-13% faster at
+// SmolLM2 dims, with the pool in the cache 7-15% slower).
+// NR: 64-dim rows per K group (1 or 2), a compile-time count so that the row loop unrolls and the per-row
+// prefetch share is computed once per chunk (the K pass measured ~15% of its time in per-chunk
 // bookkeeping with both at run time).
 template <bool SYM, int GN, int NR>
 __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r, const VnniQ& vq, int g0, const float* qsum,
@@ -416,6 +422,8 @@ __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r
     const char* pf = nullptr;
     size_t pf_bytes = 0;
     const int c = i0 / 16, nc = (n + 15) / 16;
+    for (int b = c * r.after_nseg / nc; b < (c + 1) * r.after_nseg / nc; ++b)  // see above
+      _mm_prefetch(reinterpret_cast<const char*>(r.after_codes[b]), _MM_HINT_T2);
     if (c + 2 < nc) {
       const int t = i0 + 32;
       if (t + 16 <= n && flat_at(t)) {
