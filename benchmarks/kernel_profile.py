@@ -4,9 +4,11 @@
     python benchmarks/kernel_profile.py --ctx 4096 --dims 9/3/64 --threads 2
 
 Runs toolkit/csrc/pagedkv_core_bench (the default K8/V4 spec, random codes, shuffled blocks) under
-`perf record -F 5000` on the best code path of this CPU, over the shuffled pool ("pool") and over a
+`perf record -F 5000` on the best code path of this CPU, over the shuffled pool ("pool"), over a
 block table cycling over 8 blocks ("hot": the same work without cache misses, as core-hot in
-kernels.py), and groups the samples of the step by function into phases:
+kernels.py) and over the shuffled pool with the caches flushed before each step ("cold": the bench
+reads --cold-mib MiB first, as core-cold in kernels.py; those reads are not the core's and not
+counted), and groups the samples of the step by function into phases:
 
   K scores      q . k per key and query head (scores_* / q_scores: the prepared query, the fp16 scales)
   softmax       the online softmax of each run of keys (Attend::softmax and its row helpers)
@@ -74,15 +76,20 @@ def samples(cmd: list, env: dict) -> tuple:
     return run.stdout, counts
 
 
-def profile(path: str, hq: int, hkv: int, d: int, ctx: int, threads: int, seconds: float, hot: bool) -> dict:
+def profile(path: str, hq: int, hkv: int, d: int, ctx: int, threads: int, seconds: float, pool: str,
+            cold_mib: int = 512) -> dict:
     """Phase shares of the step: the samples of a run with ~`seconds` of steps minus those of a run with
-    one step (the bench's set-up: random pool, page faults), per symbol."""
+    one step (the bench's set-up: random pool, page faults), per symbol. pool: "pool", "hot" or "cold"."""
     def cmd(reps):
-        return core_bench_cmd(path, hq, hkv, d, ctx, threads, reps, hot_blocks=8 if hot else 0)
+        return core_bench_cmd(path, hq, hkv, d, ctx, threads, reps, hot_blocks=8 if pool == "hot" else 0,
+                              cold_mib=cold_mib if pool == "cold" else 0)
 
     argv, env = cmd(20)
     calib = subprocess.run(argv, capture_output=True, text=True, check=True, env=env).stdout
+    # cold: every step also waits for the flush, so fewer steps (their samples still count alone)
     reps = max(20, int(seconds * 1e3 / parse_core_bench(calib)[0]))
+    if pool == "cold":
+        reps = min(reps, 300)
     out, full = samples(*cmd(reps))
     _, setup = samples(*cmd(1))
     step = {sym: max(0, n - setup.get(sym, 0)) for sym, n in full.items() if STEP.search(sym)}
@@ -104,6 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--path", default=None, help="core code path (default: the best of this CPU)")
     ap.add_argument("--seconds", type=float, default=3.0, help="seconds of steps per profile (default 3)")
+    ap.add_argument("--cold-mib", type=int, default=512,
+                    help="MiB read before each step of the cold profile (0: no cold profile)")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "kernel_profile.json")
     args = ap.parse_args(argv)
     if not shutil.which("perf"):
@@ -114,11 +123,10 @@ def main(argv=None) -> int:
     rows = []
     for dims in args.dims:
         hq, hkv, d = (int(x) for x in dims.split("/"))
-        for hot in (False, True):
-            r = profile(path, hq, hkv, d, args.ctx, args.threads, args.seconds, hot)
-            rows.append(dict(path=path, dims=dims, ctx=args.ctx, threads=args.threads, pool="hot" if hot else "pool",
-                             **r))
-            print(f"  {dims} ctx {args.ctx} {'hot ' if hot else 'pool'}: {r['step_ms']:.3f} ms  "
+        for pool in ("pool", "hot") + (("cold",) if args.cold_mib else ()):
+            r = profile(path, hq, hkv, d, args.ctx, args.threads, args.seconds, pool, args.cold_mib)
+            rows.append(dict(path=path, dims=dims, ctx=args.ctx, threads=args.threads, pool=pool, **r))
+            print(f"  {dims} ctx {args.ctx} {pool:4s}: {r['step_ms']:.3f} ms  "
                   + ", ".join(f"{p} {s:.0%}" for p, s in r["share"].items()), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1) + "\n")
