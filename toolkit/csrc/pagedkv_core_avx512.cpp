@@ -401,6 +401,7 @@ __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r
     while (i >= f + r.seg_n[g]) f += r.seg_n[g++];
     return i + 16 <= f + r.seg_n[g];
   };
+  const int nc = (n + 15) / 16;  // 16-key chunks
   for (int i0 = 0; i0 < n; i0 += 16) {
     const __mmask16 live = first_n(n - i0);
     while (i0 >= s0 + r.seg_n[sg]) s0 += r.seg_n[sg++];
@@ -410,20 +411,19 @@ __attribute__((target("avx512f,avx512vnni"))) void scores_vnni(const QuantRun& r
     const uint8_t* cp[16];
     if (!flat)
       for (int k = 0; k < 16; ++k) cp[k] = r.rec(std::min(i0 + k, n - 1));  // pad with the last key
-    {  // the next run's scales: one block per chunk, the rest with the last chunk
-      const int c = i0 / 16, last = i0 + 16 >= n;
-      for (int b = c; b < (last ? r.next_nseg : std::min(c + 1, r.next_nseg)); ++b)
-        prefetch_lines(r.next_meta[b], r.block_meta_bytes);
-    }
+    const int c = i0 / 16;  // this chunk, of nc
+    // the next run's scales: one block per chunk, the rest with the last chunk
+    for (int b = c; b < (c + 1 == nc ? r.next_nseg : std::min(c + 1, r.next_nseg)); ++b)
+      prefetch_lines(r.next_meta[b], r.block_meta_bytes);
+    // the first line of the run after the next's blocks, spread over the chunks (see above)
+    for (int b = c * r.after_nseg / nc; b < (c + 1) * r.after_nseg / nc; ++b)
+      _mm_prefetch(reinterpret_cast<const char*>(r.after_codes[b]), _MM_HINT_T2);
     // the records of the chunk two ahead: this run's chunk c + 2, past the run's end the next run's
     // chunk c + 2 - nc (for a run of one chunk also the next run's chunk 0, which no chunk before
     // covered). A contiguous range is issued a share per 64-dim row below (pf); records that span
     // blocks, every line of each, now.
     const char* pf = nullptr;
     size_t pf_bytes = 0;
-    const int c = i0 / 16, nc = (n + 15) / 16;
-    for (int b = c * r.after_nseg / nc; b < (c + 1) * r.after_nseg / nc; ++b)  // see above
-      _mm_prefetch(reinterpret_cast<const char*>(r.after_codes[b]), _MM_HINT_T2);
     if (c + 2 < nc) {
       const int t = i0 + 32;
       if (t + 16 <= n && flat_at(t)) {
