@@ -16,6 +16,15 @@ et-custom-sdpa in its own group right after the others of the same cell, see ISO
   gqa-int4       the same with an int4 cache (PER_CHANNEL, kv_cache_bit_width 4, uint8 packed)
   et-custom-sdpa ExecuTorch llama::update_cache + llama::custom_sdpa on an fp32 [1, S, Hkv, D] cache
                  (mutable buffers), start_pos baked into the .pte
+  pagedkv-ort-spin
+                 pagedkv-ort again, in a session whose intra-op threads spin for up to SPIN_US (1 ms) after
+                 each call before they sleep (allow_spinning=1, session.intra_op.spin_duration_us) instead
+                 of sleeping at once. Diagnostic only, not a peer of the targets: it shows what the
+                 2-thread cells lose to waking the sleeping helper thread on every call (with 1 thread
+                 the session has no helper, and the row repeats pagedkv-ort). onnxruntime bounds the spin
+                 to about SPIN_US (a one-off check here: its threads were idle 2 ms after the last call),
+                 so the 3 ms pause before every slice of the interleaved rounds outlasts it and the
+                 others keep both cores.
   core-<path>    the C++ core alone (no host) on each code path of this CPU (avx2, avx512, ...; the hosts
                  use the best one), from toolkit/csrc/pagedkv_core_bench, run right after the others
   core-hot       the best path again with the block table cycling over 8 blocks (BENCH_HOT_BLOCKS=8):
@@ -30,7 +39,7 @@ et-custom-sdpa in its own group right after the others of the same cell, see ISO
                  calls of one layer. Everything else above runs the same step over and over, so its pool
                  stays in the last-level cache (260 MiB here, shared) from the second call of a slice on.
 
-Threads: onnxruntime intra_op_num_threads (one session per count, allow_spinning=0), ExecuTorch
+Threads: onnxruntime intra_op_num_threads (one session per count, allow_spinning=0 except -spin), ExecuTorch
 _unsafe_reset_threadpool; our kernel runs on those same threads (the session's intra-op pool, ExecuTorch's
 threadpool), the core alone on its own pool (pagedkv_core_bench's thread argument).
 
@@ -63,8 +72,11 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 
 BLOCK = 16
-IMPLS = ("pagedkv-ort", "pagedkv-et", "gqa-fp32", "gqa-int8", "gqa-int4", "et-custom-sdpa", "core-paths")
+IMPLS = ("pagedkv-ort", "pagedkv-et", "gqa-fp32", "gqa-int8", "gqa-int4", "et-custom-sdpa", "pagedkv-ort-spin",
+         "core-paths")
 ISOLATED = ("et-custom-sdpa",)
+SPIN_US = 1000  # pagedkv-ort-spin: onnxruntime's intra-op spin, bounded (session.intra_op.spin_duration_us)
+DIAGNOSTIC = ("pagedkv-ort-spin",)  # no time ratios against the peers (their sessions do not spin)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -182,7 +194,7 @@ def _step_inputs(hq, hkv, d, ctx, seed):
 
 
 class OursOrt:
-    def __init__(self, hq, hkv, d, ctx, seed, threads=(1,)):
+    def __init__(self, hq, hkv, d, ctx, seed, threads=(1,), spin_us=0):
         import onnxruntime as ort
         from onnx import TensorProto as TP
         from onnx import helper
@@ -225,7 +237,9 @@ class OursOrt:
             so = ort.SessionOptions()
             so.register_custom_ops_library(native.ort_library_path())
             so.intra_op_num_threads = n
-            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin_us else "0")
+            if spin_us:
+                so.add_session_config_entry("session.intra_op.spin_duration_us", str(spin_us))
             sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
             b = sess.io_binding()
             for name in ("q", "k", "v", "positions", "seq_ids", "block_tables", "sinks"):
@@ -488,6 +502,8 @@ def core_bench(path, hq, hkv, d, ctx, threads, reps=None, hot_blocks=0, walk=Fal
 def build(impl, hq, hkv, d, ctx, threads, seed=0):
     if impl == "pagedkv-ort":
         return OursOrt(hq, hkv, d, ctx, seed, threads)
+    if impl == "pagedkv-ort-spin":
+        return OursOrt(hq, hkv, d, ctx, seed, threads, spin_us=SPIN_US)
     if impl == "pagedkv-et":
         return OursEt(hq, hkv, d, ctx, seed)
     if impl.startswith("gqa-"):
@@ -638,7 +654,7 @@ def markdown(rows, bw) -> str:
         lines.append(
             f"| {r['q_heads']}/{r['kv_heads']}/{r['head_dim']} | {r['ctx']} | {r['threads']} | {r['impl']} | "
             f"{r['bytes'] / 2**20:.2f} | {r['ms']:.3f} | {r['ms'] / f32:.2f} | {r['ms'] / i8:.2f} | "
-            f"{r['gb_s']:.1f} | {r['bandwidth_fraction']:.2f} |" if f32 and i8 else
+            f"{r['gb_s']:.1f} | {r['bandwidth_fraction']:.2f} |" if f32 and i8 and r["impl"] not in DIAGNOSTIC else
             f"| {r['q_heads']}/{r['kv_heads']}/{r['head_dim']} | {r['ctx']} | {r['threads']} | {r['impl']} | "
             f"{r['bytes'] / 2**20:.2f} | {r['ms']:.3f} | - | - | {r['gb_s']:.1f} | {r['bandwidth_fraction']:.2f} |")
     return "\n".join(lines)
@@ -647,7 +663,7 @@ def markdown(rows, bw) -> str:
 def pivot(rows) -> str:
     """One line per (dims, ctx, threads): every implementation's ms, ours / GQA int8 and / fp32 (ours = the
     ORT host), our bandwidth fraction."""
-    impls = [i for i in ("pagedkv-ort", "pagedkv-et") if any(r["impl"] == i for r in rows)]
+    impls = [i for i in ("pagedkv-ort", "pagedkv-et", "pagedkv-ort-spin") if any(r["impl"] == i for r in rows)]
     impls += sorted({r["impl"] for r in rows if r["impl"].startswith("core-")})
     impls += [i for i in ("gqa-fp32", "gqa-int8", "gqa-int4", "et-custom-sdpa") if any(r["impl"] == i for r in rows)]
     cells: dict = {}

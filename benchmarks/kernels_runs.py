@@ -42,7 +42,8 @@ def main(argv=None) -> int:
 
     dims = sorted({k[3:] for k in cells})
     print("bandwidth fraction at 16K, over all runs (min-max):")
-    for impl in ("pagedkv-ort", "pagedkv-et", "core-avx512-vnni", "core-hot", "core-cold", "core-walk-cold"):
+    for impl in ("pagedkv-ort", "pagedkv-et", "pagedkv-ort-spin", "core-avx512-vnni", "core-hot", "core-cold",
+                 "core-walk-cold"):
         parts = []
         for d in dims:
             for t in (1, 2):
