@@ -20,9 +20,11 @@ if TYPE_CHECKING:  # torch (and transformers) only where a backend needs them: n
     from toolkit.compiler import PagedModel
 
 
-def copy_pool_block(backend, src: int, dst: int) -> None:
-    """Copy block src to block dst in every layer (codes and scales; float pools have no scales)."""
-    for codes, scales, _ in backend.pool_arrays():
+def copy_pool_block(backend, src: int, dst: int, layers=None) -> None:
+    """Copy block src to block dst in every layer, or in `layers` (one layer group's; each group has
+    its own block ids) (codes and scales; float pools have no scales)."""
+    pools = backend.pool_arrays()
+    for codes, scales, _ in (pools if layers is None else [pools[i] for i in layers]):
         codes[dst] = codes[src]
         if scales.shape[0] > 1:
             scales[dst] = scales[src]
@@ -41,16 +43,19 @@ class TorchBackend:
     def __init__(self, paged: PagedModel):
         self.paged = paged
         self.layout = paged.layout
+        self.groups = paged.groups
 
     def forward(self, ids, positions, seq_ids, tables) -> np.ndarray:
+        """tables: one [S, M] array, or a list of one per layer group."""
         import torch
 
+        tables = tables if isinstance(tables, list) else [tables]
         with torch.no_grad():
             logits = self.paged(
                 torch.from_numpy(ids)[None],
                 torch.from_numpy(positions),
                 torch.from_numpy(seq_ids),
-                torch.from_numpy(tables),
+                *[torch.from_numpy(t) for t in tables],
             )
         return logits[0].float().numpy()
 

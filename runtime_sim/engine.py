@@ -18,7 +18,7 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
-from toolkit.block_pool import BlockPool
+from toolkit.block_pool import GroupedBlockPool, LayerGroup
 from toolkit.errors import PagedKVError, PoolExhausted
 from toolkit.pool_layout import PoolLayout
 
@@ -100,7 +100,11 @@ class Engine:
         self.backend = backend
         self.tokenizer = tokenizer
         lay = backend.layout
-        self.pool = BlockPool(lay.num_blocks, lay.block_size, lay.max_seqs)
+        # one block pool per layer group (toolkit.block_pool.GroupedBlockPool); a backend without
+        # sliding layers has one global group of the layout's blocks, exactly the single pool of before
+        self.groups = list(getattr(backend, "groups", None) or [LayerGroup(0, tuple(range(lay.num_layers)),
+                                                                           lay.num_blocks)])
+        self.pool = GroupedBlockPool(self.groups, lay.block_size, lay.max_seqs)
         self.prefill_chunk = prefill_chunk
         self.conversations: dict[int, Conversation] = {}
         self.counters = Counters()
@@ -146,22 +150,36 @@ class Engine:
 
     # -- running -------------------------------------------------------------------------------
 
-    def _tables(self, width: int) -> np.ndarray:
+    def _tables(self, width: int):
+        """Block tables [max_seqs, width] of the live sequences: one array, or a list of one per layer
+        group when the model has several (a sliding group's rows have holes, -1, before the window)."""
         lay = self.backend.layout
-        tables = np.full((lay.max_seqs, max(width, 1)), -1, dtype=np.int64)
-        for seq in self.pool.live_sequences():
-            row = self.pool.block_table(seq)[:width]
-            tables[seq, : len(row)] = row
-        return tables
+        out = []
+        for g in range(len(self.groups)):
+            tables = np.full((lay.max_seqs, max(width, 1)), -1, dtype=np.int64)
+            for seq in self.pool.live_sequences():
+                row = self.pool.block_table(seq, g)[:width]
+                tables[seq, : len(row)] = row
+            out.append(tables)
+        return out[0] if len(out) == 1 else out
 
-    def _make_room(self, items: list[tuple[Conversation, list[int]]]) -> None:
-        """Apply the pool policy until every item's reserve will succeed, or raise PoolExhausted."""
+    def _copy_block(self, group: int, src: int, dst: int) -> None:
+        if len(self.groups) == 1:
+            self.backend.copy_block(src, dst)
+        else:  # only the layers of that group hold the block
+            self.backend.copy_block(src, dst, self.groups[group].layers)
+
+    def _make_room(self, items: list[tuple[Conversation, list[int]]], chunk: int | None = None) -> None:
+        """Apply the pool policy until every item's reserve will succeed, or raise PoolExhausted. With
+        chunk: room to write the items in calls of chunk tokens (sliding layer groups trim in between)."""
         active = {id(c) for c, _ in items}
         while True:
-            need = sum(self.pool.blocks_needed(c.seq, len(t)) for c, t in items)
-            free = self.pool.num_free_blocks
-            if need <= free:
+            needs = [self.pool.blocks_needed(c.seq, len(t), chunk) for c, t in items]
+            frees = self.pool.free_blocks()
+            short = [g for g, f in enumerate(frees) if sum(n[g] for n in needs) > f]
+            if not short:
                 return
+            need, free = sum(n[short[0]] for n in needs), frees[short[0]]
             if self.policy == "evict" and self._evict_one(active):
                 continue
             if self.policy == "sliding" and self._slide(items):
@@ -205,8 +223,8 @@ class Engine:
         self.clock += 1
         for conv, toks in items:
             conv.last_used = self.clock
-            for src, dst in self.pool.reserve(conv.seq, len(toks)):
-                self.backend.copy_block(src, dst)
+            for g, src, dst in self.pool.reserve(conv.seq, len(toks)):
+                self._copy_block(g, src, dst)
         ids, pos, seqs = [], [], []
         for conv, toks in items:
             start = self.pool.length(conv.seq)
@@ -232,7 +250,7 @@ class Engine:
             raise PagedKVError("empty prompt: give at least one token.")
         token_ids = conv.pending + list(token_ids)
         if self.policy != "sliding":  # room for the whole prompt up front: no half-prefilled turn
-            self._make_room([(conv, token_ids)])
+            self._make_room([(conv, token_ids)], self.prefill_chunk)
         conv.pending = []
         t0 = time.perf_counter()
         for a in range(0, len(token_ids), self.prefill_chunk):
@@ -286,9 +304,11 @@ class Engine:
         lay = self.backend.layout
         s = self.pool.stats()
         c = self.counters
+        per_layer = lay.bytes_per_token // lay.num_layers  # bytes of one token in one layer
+        blocks_bytes = sum(p.num_used_blocks * lay.block_size * per_layer * len(g.layers)
+                           for g, p in zip(self.groups, self.pool.pools))
         s.update(
-            kv_bytes_in_use=s["used_blocks"] * lay.block_size * lay.bytes_per_token
-            + len(self.pool.live_sequences()) * lay.stage_bytes_per_sequence,
+            kv_bytes_in_use=blocks_bytes + len(self.pool.live_sequences()) * lay.stage_bytes_per_sequence,
             pool_bytes=lay.total_bytes,
             prefill_tok_s=c.prefill_tokens / c.prefill_seconds if c.prefill_seconds else 0.0,
             decode_tok_s=c.decode_tokens / c.decode_seconds if c.decode_seconds else 0.0,

@@ -164,6 +164,44 @@ class BlockPool:
         s.tokens = token_ids[:s.length]
         return seq, s.length
 
+    def cached_prefix_blocks(self, token_ids: list[int]) -> list[int | None]:
+        """For each full block of token_ids (but never the last token's): the cached block holding it,
+        or None. The hash chain runs over the tokens, so a block can be found after a missing one."""
+        bs = self.block_size
+        out, prev = [], _ROOT_HASH
+        for i in range(max(0, (len(token_ids) - 1) // bs)):
+            key = (prev, tuple(token_ids[i * bs:(i + 1) * bs]))
+            h = _chain_hash(*key)
+            block = self._cache.get(h)
+            out.append(block if block is not None and self._block_key[block] == key else None)
+            prev = h
+        return out
+
+    def new_sequence_from_blocks(self, token_ids: list[int], blocks: list[int | None]) -> int:
+        """New sequence of len(blocks) full blocks holding token_ids, sharing the given cached blocks
+        (None = a hole: a block a sliding group no longer needs). Returns its slot."""
+        bs = self.block_size
+        token_ids = list(token_ids)
+        if len(token_ids) != len(blocks) * bs:
+            raise PoolStateError(f"{len(token_ids)} tokens do not fill {len(blocks)} block(s) of {bs}")
+        seq = self.new_sequence()
+        s = self._seqs[seq]
+        prev = _ROOT_HASH
+        for i, block in enumerate(blocks):
+            h = _chain_hash(prev, tuple(token_ids[i * bs:(i + 1) * bs]))
+            if block is None:
+                s.blocks.append(HOLE)
+            else:
+                if self._refcount[block] == 0:
+                    del self._free[block]  # revive a released block that still holds this content
+                self._refcount[block] += 1
+                s.blocks.append(block)
+            s.hashes.append(h)
+            prev = h
+        s.length = s.reserved = len(blocks) * bs
+        s.tokens = token_ids
+        return seq
+
     def fork(self, seq: int) -> int:
         """New sequence sharing all blocks of seq (same length and tokens). Returns its slot.
 
@@ -387,3 +425,202 @@ class BlockPool:
         self._refcount[block] -= 1
         if self._refcount[block] == 0:
             self._free[block] = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Layer groups: one pool and one block table per sequence for each attention type
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers that share an attention type: window 0 = global, W > 0 = each query sees the last W
+    positions (itself included; HF's sliding_window). Each group has its own blocks and tables."""
+
+    window: int
+    layers: tuple[int, ...]
+    num_blocks: int
+
+    def to_dict(self) -> dict:
+        return {"window": self.window, "layers": list(self.layers), "num_blocks": self.num_blocks}
+
+    @staticmethod
+    def from_dict(d: dict) -> "LayerGroup":
+        return LayerGroup(int(d["window"]), tuple(int(i) for i in d["layers"]), int(d["num_blocks"]))
+
+
+def window_blocks_needed(window: int, block_size: int, new_tokens: int) -> int:
+    """Blocks one sequence of a sliding group holds at most while a call writes new_tokens: the
+    blocks that intersect the window before the first new token, plus those the new tokens fill."""
+    return _cdiv(window - 1 + new_tokens, block_size) + 1
+
+
+def dead_blocks(window: int, block_size: int, length: int) -> int:
+    """Leading logical blocks no future query of a sliding group can see once `length` tokens are
+    committed: the next query (position >= length) sees keys > length - window only."""
+    if window <= 0:
+        return 0
+    return max(0, (length - window + 1) // block_size)
+
+
+class GroupedBlockPool:
+    """One BlockPool per layer group, driven together: the same sequence slots, lengths and tokens in
+    every group; each group has its own blocks, free list, refcounts and prefix cache. A sliding group
+    returns a sequence's blocks to its pool as soon as they leave the window (after each commit).
+
+    With one global group this is exactly a BlockPool (same block ids, same tables).
+    """
+
+    def __init__(self, groups: list[LayerGroup], block_size: int, max_seqs: int):
+        if not groups:
+            raise SpecError("a pool needs at least one layer group")
+        self.groups = list(groups)
+        self.pools = [BlockPool(g.num_blocks, block_size, max_seqs) for g in self.groups]
+        self.block_size = block_size
+        self.max_seqs = max_seqs
+
+    # ------------------------------------------------------------------ queries (all groups agree)
+
+    @property
+    def main(self) -> BlockPool:
+        return self.pools[0]
+
+    def live_sequences(self) -> list[int]:
+        return self.main.live_sequences()
+
+    def length(self, seq: int) -> int:
+        return self.main.length(seq)
+
+    def tokens(self, seq: int) -> list[int]:
+        return self.main.tokens(seq)
+
+    def block_table(self, seq: int, group: int = 0) -> list[int]:
+        return self.pools[group].block_table(seq)
+
+    def free_blocks(self) -> list[int]:
+        return [p.num_free_blocks for p in self.pools]
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks of the first group (the only one for a model without sliding layers)."""
+        return self.main.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.main.num_used_blocks
+
+    def slots(self, seq: int, start: int, n: int, group: int = 0) -> list[int]:
+        return self.pools[group].slots(seq, start, n)
+
+    # ------------------------------------------------------------------ sequences
+
+    def _same(self, results: list):
+        if any(r != results[0] for r in results[1:]):
+            raise PoolStateError(f"layer groups out of step: {results}")
+        return results[0]
+
+    def new_sequence(self) -> int:
+        return self._same([p.new_sequence() for p in self.pools])
+
+    def fork(self, seq: int) -> int:
+        return self._same([p.fork(seq) for p in self.pools])
+
+    def release(self, seq: int) -> None:
+        for p in self.pools:
+            p.release(seq)
+
+    def clear(self) -> None:
+        for p in self.pools:
+            p.clear()
+
+    def new_sequence_with_prefix(self, token_ids: list[int]) -> tuple[int, int]:
+        """Like BlockPool.new_sequence_with_prefix, for every group: the longest prefix (whole blocks,
+        less than len(token_ids)) whose blocks are still cached in each group — all of them in a global
+        group, only those that intersect the window before the next position in a sliding group."""
+        token_ids = list(token_ids)
+        bs = self.block_size
+        found = [p.cached_prefix_blocks(token_ids) for p in self.pools]
+        best = 0
+        for k in range(max(0, (len(token_ids) - 1) // bs), 0, -1):
+            if all(all(f[i] is not None for i in range(dead_blocks(g.window, bs, k * bs), k))
+                   for g, f in zip(self.groups, found)):
+                best = k
+                break
+        seqs = []
+        for g, p, f in zip(self.groups, self.pools, found):
+            lo = dead_blocks(g.window, bs, best * bs)
+            seqs.append(p.new_sequence_from_blocks(
+                token_ids[:best * bs], [None] * lo + [f[i] for i in range(lo, best)]))
+        return self._same(seqs), best * bs
+
+    # ------------------------------------------------------------------ growth
+
+    def blocks_needed(self, seq: int, n_new_tokens: int, chunk: int | None = None) -> list[int]:
+        """Free blocks reserve(seq, n) would take in each group. With chunk: the most free blocks writing
+        the n tokens in calls of at most chunk tokens takes (a sliding group trims between calls, so
+        it never holds more than window_blocks_needed(window, block_size, chunk) blocks)."""
+        out = []
+        for g, p in zip(self.groups, self.pools):
+            need = p.blocks_needed(seq, n_new_tokens)
+            if g.window > 0 and chunk is not None:
+                held = sum(1 for b in p.block_table(seq) if b != HOLE)
+                peak = window_blocks_needed(g.window, self.block_size, min(chunk, n_new_tokens))
+                need = min(need, max(0, peak - held))
+            out.append(need)
+        return out
+
+    def reserve(self, seq: int, n_new_tokens: int) -> list[tuple[int, int, int]]:
+        """reserve in every group; atomic. Returns (group, src, dst) copy-on-write copies."""
+        need = self.blocks_needed(seq, n_new_tokens)
+        for g, (n, p) in enumerate(zip(need, self.pools)):
+            if n > p.num_free_blocks:
+                raise PoolExhausted(n, p.num_free_blocks, what=f"sequence {seq} growing by {n_new_tokens} "
+                                    f"token(s) in layer group {g} (window {self.groups[g].window or 'global'})")
+        return [(g, src, dst) for g, p in enumerate(self.pools) for src, dst in p.reserve(seq, n_new_tokens)]
+
+    def commit(self, seq: int, token_ids: list[int]) -> None:
+        """Commit in every group, then return the blocks that left each sliding group's window."""
+        for p in self.pools:
+            p.commit(seq, token_ids)
+        self.trim(seq)
+
+    def trim(self, seq: int) -> None:
+        bs = self.block_size
+        for g, p in zip(self.groups, self.pools):
+            if g.window > 0:
+                table = p.block_table(seq)
+                dead = [i for i in range(dead_blocks(g.window, bs, p.length(seq))) if table[i] != HOLE]
+                if dead:
+                    p.drop_blocks(seq, dead)
+
+    def drop_blocks(self, seq: int, logical_indices: list[int]) -> None:
+        """Holes at these logical blocks in every group that still holds them (the sliding policy)."""
+        for p in self.pools:
+            table = p.block_table(seq)
+            keep = [i for i in logical_indices if i < len(table) and table[i] != HOLE]
+            if keep:
+                p.drop_blocks(seq, keep)
+
+    # ------------------------------------------------------------------ accounting
+
+    def stats(self) -> dict:
+        """The first group's stats (a model without sliding layers: the whole pool), plus per group."""
+        out = self.main.stats()
+        if len(self.pools) > 1 or self.groups[0].window:
+            out["groups"] = [dict(p.stats(), window=g.window, layers=len(g.layers))
+                             for g, p in zip(self.groups, self.pools)]
+        return out
+
+    def check_invariants(self) -> None:
+        for p in self.pools:
+            p.check_invariants()
+        for g, p in zip(self.groups, self.pools):
+            for seq in p.live_sequences():
+                if p.length(seq) != self.length(seq):
+                    raise PoolStateError(f"block pool invariant broken: sequence {seq} differs between groups")
+                if g.window > 0:
+                    table = p.block_table(seq)
+                    live = [i for i in range(dead_blocks(g.window, self.block_size, p.length(seq)))
+                            if table[i] != HOLE]
+                    if live:
+                        raise PoolStateError(f"block pool invariant broken: sequence {seq} keeps blocks {live} "
+                                             f"outside the window of {g.window} in a sliding group")

@@ -18,7 +18,10 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 
+import dataclasses
+
 import toolkit.paged_attention  # noqa: F401  (registers torch.ops.pagedkv)
+from toolkit.block_pool import LayerGroup
 from toolkit.errors import UnsupportedModelError
 from toolkit.pool_layout import PoolLayout
 from toolkit.quant import KVQuantSpec, resolve_spec
@@ -85,6 +88,38 @@ def model_dims(config) -> ModelDims:
     )
 
 
+def layer_windows(config) -> list[int]:
+    """Per layer, the sliding window HF's attention uses (0 = global): from config.layer_types where
+    the family has it (Gemma 2/3, Qwen2/3, ...), else config.sliding_window for every layer (Mistral)."""
+    cfg = _text_config(config)
+    n = cfg.num_hidden_layers
+    window = int(getattr(cfg, "sliding_window", None) or 0)
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        return [window if t == "sliding_attention" else 0 for t in types[:n]]
+    if getattr(cfg, "model_type", "") in ("mistral", "phi3"):
+        return [window] * n
+    return [0] * n
+
+
+def layer_groups(config, num_blocks: int, sliding_blocks: int | None = None) -> list[LayerGroup]:
+    """Layers grouped by attention type: the global group first (if any), then one per window.
+    A global group gets num_blocks blocks, a sliding one sliding_blocks (default num_blocks)."""
+    windows = layer_windows(config)
+    out = []
+    for w in sorted(set(windows)):  # 0 (global) first
+        layers = tuple(i for i, x in enumerate(windows) if x == w)
+        n = num_blocks if w == 0 or sliding_blocks is None else min(num_blocks, sliding_blocks)
+        out.append(LayerGroup(w, layers, n))
+    return out
+
+
+def group_table_names(groups) -> list[str]:
+    """Graph input name of each group's block tables: 'block_tables' for the first (a model without
+    sliding layers has only that one, as before groups existed), then block_tables_1, ..."""
+    return ["block_tables"] + [f"block_tables_{g}" for g in range(1, len(groups))]
+
+
 # ----------------------------------------------------------------------------------------------
 # The attention function HF calls in every layer
 
@@ -97,7 +132,9 @@ class PagedContext:
     pools: list  # per layer: (codes, scales, stage)
     positions: torch.Tensor  # [T] int64
     seq_ids: torch.Tensor  # [T] int64
-    block_tables: torch.Tensor  # [S, M] int64
+    block_tables: list  # per layer group: [S, M] int64
+    layer_group: tuple  # layer -> index of its group
+    windows: tuple  # per group: 0 or the window its table was trimmed to
     functional: bool = False
     new_pools: dict = field(default_factory=dict)  # layer -> (codes, scales, stage), functional only
 
@@ -126,9 +163,15 @@ def paged_attention_forward(
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
     if sinks is None:
         sinks = torch.full((query.shape[1],), float("-inf"))
+    g = ctx.layer_group[layer]
+    if ctx.windows[g] and ctx.windows[g] != (sliding_window or 0):
+        raise UnsupportedModelError(
+            f"layer {layer} attends with sliding_window={sliding_window}, but its layer group keeps only the last "
+            f"{ctx.windows[g]} positions: the config's layer_types/sliding_window disagree with the model."
+        )
     scalars = op_scalar_args(ctx.layout.spec, d, layer, scale, sliding_window or 0, softcap or 0.0)
     codes, scales, stage = ctx.pools[layer]
-    args = (query, key, value, codes, scales, stage, ctx.positions, ctx.seq_ids, ctx.block_tables, sinks.float())
+    args = (query, key, value, codes, scales, stage, ctx.positions, ctx.seq_ids, ctx.block_tables[g], sinks.float())
     if ctx.functional:
         out, codes, scales, stage = torch.ops.pagedkv.quantized_paged_attention_functional(*args, *scalars)
         ctx.new_pools[layer] = (codes, scales, stage)
@@ -147,19 +190,29 @@ AttentionInterface.register(ATTN_NAME, paged_attention_forward)
 class PagedModel(nn.Module):
     """A HF causal LM whose attention runs on a paged, quantized KV pool held as buffers.
 
-    forward(input_ids [1, T], positions [T], seq_ids [T], block_tables [S, M]) -> logits [1, T, V].
+    forward(input_ids [1, T], positions [T], seq_ids [T], block_tables [S, M], *more_tables) -> logits
+    [1, T, V]: one block table per layer group (`groups`; one for a model without sliding layers).
+    Each layer's pool has its group's number of blocks.
     """
 
-    def __init__(self, hf_model: nn.Module, layout: PoolLayout):
+    def __init__(self, hf_model: nn.Module, layout: PoolLayout, groups: list[LayerGroup] | None = None):
         super().__init__()
         self.hf = hf_model
         self.layout = layout
         self.dims = model_dims(hf_model.config)
+        self.groups = groups or [LayerGroup(0, tuple(range(layout.num_layers)), layout.num_blocks)]
+        self.layer_group = tuple(next(g for g, grp in enumerate(self.groups) if i in grp.layers)
+                                 for i in range(layout.num_layers))
         for i in range(layout.num_layers):
-            codes, scales, stage = layout.allocate_layer()
+            codes, scales, stage = self.layer_layout(i).allocate_layer()
             self.register_buffer(f"codes_{i}", codes, persistent=False)
             self.register_buffer(f"scales_{i}", scales, persistent=False)
             self.register_buffer(f"stage_{i}", stage, persistent=False)
+
+    def layer_layout(self, layer: int) -> PoolLayout:
+        """The layout of one layer's pool tensors (its group's block count)."""
+        n = self.groups[self.layer_group[layer]].num_blocks
+        return self.layout if n == self.layout.num_blocks else dataclasses.replace(self.layout, num_blocks=n)
 
     def pool_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         return [
@@ -172,29 +225,38 @@ class PagedModel(nn.Module):
             for t in tensors:
                 t.zero_()
 
-    def run(self, input_ids, positions, seq_ids, block_tables, pools, functional: bool):
-        ctx = PagedContext(self.layout, pools, positions, seq_ids, block_tables, functional)
+    def run(self, input_ids, positions, seq_ids, tables, pools, functional: bool):
+        if len(tables) != len(self.groups):
+            raise UnsupportedModelError(
+                f"{len(tables)} block table(s) given, the model has {len(self.groups)} layer group(s): pass one per group."
+            )
+        windows = tuple(g.window for g in self.groups)
+        ctx = PagedContext(self.layout, pools, positions, seq_ids, list(tables), self.layer_group, windows, functional)
         out = self.hf(
             input_ids=input_ids, position_ids=positions[None], use_cache=False, pagedkv=ctx, return_dict=True
         )
         return out.logits, ctx
 
-    def forward(self, input_ids, positions, seq_ids, block_tables):
-        logits, _ = self.run(input_ids, positions, seq_ids, block_tables, self.pool_tensors(), functional=False)
+    def forward(self, input_ids, positions, seq_ids, block_tables, *more_tables):
+        tables = (block_tables, *more_tables)
+        logits, _ = self.run(input_ids, positions, seq_ids, tables, self.pool_tensors(), functional=False)
         return logits
 
 
 class FunctionalPagedModel(nn.Module):
-    """Pools as explicit inputs and outputs (for ONNX): forward(ids, pos, seq, tables, *pools) -> (logits, *pools)."""
+    """Pools as explicit inputs and outputs (for ONNX): forward(ids, pos, seq, tables, *more_tables, *pools)
+    -> (logits, *pools); one table per layer group."""
 
     def __init__(self, paged: PagedModel):
         super().__init__()
         self.paged = paged
 
-    def forward(self, input_ids, positions, seq_ids, block_tables, *pools):
+    def forward(self, input_ids, positions, seq_ids, block_tables, *rest):
         n = self.paged.layout.num_layers
+        g = len(self.paged.groups) - 1
+        tables, pools = (block_tables, *rest[:g]), rest[g:]
         grouped = [tuple(pools[3 * i : 3 * i + 3]) for i in range(n)]
-        logits, ctx = self.paged.run(input_ids, positions, seq_ids, block_tables, grouped, functional=True)
+        logits, ctx = self.paged.run(input_ids, positions, seq_ids, tables, grouped, functional=True)
         flat = [t for i in range(n) for t in ctx.new_pools[i]]
         return (logits, *flat)
 
@@ -206,8 +268,14 @@ def compile(
     block_size: int = 16,
     num_blocks: int = 256,
     max_seqs: int = 4,
+    sliding_blocks: int | None = None,
+    groups: bool = True,
 ) -> PagedModel:
-    """Rewrite `model`'s attention to the paged op (in place on the HF model) and wrap it with a pool."""
+    """Rewrite `model`'s attention to the paged op (in place on the HF model) and wrap it with a pool.
+
+    Layers are grouped by attention type (layer_groups): each group gets its own block tables, and
+    the pools of a sliding group's layers have sliding_blocks blocks (default num_blocks). groups=False
+    puts every layer in one group (one table, every layer holds every position, as before groups)."""
     preflight(model.config)
     spec = resolve_spec(spec)
     dims = model_dims(model.config)
@@ -216,6 +284,7 @@ def compile(
             f"{dims.num_heads} query heads are not a multiple of {dims.num_kv_heads} KV heads."
         )
     layout = PoolLayout(spec, dims.num_layers, dims.num_kv_heads, dims.head_dim, block_size, num_blocks, max_seqs)
+    grouped = layer_groups(model.config, num_blocks, sliding_blocks) if groups else None
     model.set_attn_implementation(ATTN_NAME)
     model.eval()
-    return PagedModel(model, layout)
+    return PagedModel(model, layout, grouped)

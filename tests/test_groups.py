@@ -1,0 +1,167 @@
+"""Per-layer-group block tables: sliding-window layers keep only the blocks of their window.
+
+Tiny random models whose layers mix global and sliding attention (Gemma 3 with a small window,
+Gemma 2 alternating, Mistral all-sliding, Qwen2 with sliding layers): greedy tokens with an
+unquantized pool must equal HF's over prompts and generations several windows long, while the
+sliding groups hand their blocks back to their pools as the window moves on.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from runtime_sim.backends import TorchBackend
+from runtime_sim.engine import Engine
+from toolkit.block_pool import HOLE, GroupedBlockPool, LayerGroup, dead_blocks, window_blocks_needed
+from toolkit.compiler import compile, layer_groups
+from toolkit.tiny_models import tiny_config, tiny_model
+from tests.helpers import hf_greedy
+
+BS = 16
+W = 24  # the tiny configs' sliding window
+
+
+def _scaled(cfg):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    return model.eval()
+
+
+def gemma2_config():
+    """Gemma 2 with 4 alternating layers: sliding, global, sliding, global."""
+    cfg = tiny_config("gemma2")
+    cfg.num_hidden_layers = 4
+    cfg.layer_types = ["sliding_attention", "full_attention"] * 2
+    return cfg
+
+
+def qwen2_sliding():
+    """Qwen2 with sliding attention from layer 1 on (max_window_layers=1): layer 0 global."""
+    cfg = tiny_config("qwen2")
+    cfg.num_hidden_layers = 3
+    cfg.use_sliding_window, cfg.sliding_window, cfg.max_window_layers = True, W, 1
+    cfg.layer_types = ["full_attention", "sliding_attention", "sliding_attention"]
+    return _scaled(cfg)
+
+
+MODELS = {
+    "gemma3": lambda: tiny_model("gemma3"),
+    "gemma2": lambda: _scaled(gemma2_config()),
+    "mistral": lambda: tiny_model("mistral"),
+    "qwen2": qwen2_sliding,
+}
+
+
+# ---------------------------------------------------------------------------------------------- pool
+
+
+def test_groups_of_the_families():
+    g = layer_groups(gemma2_config(), 40, 6)
+    assert [(x.window, x.layers, x.num_blocks) for x in g] == [(0, (1, 3), 40), (W, (0, 2), 6)]
+    assert [(x.window, x.layers) for x in layer_groups(tiny_config("mistral"), 40)] == [(W, (0, 1))]
+    assert [(x.window, x.layers) for x in layer_groups(tiny_config("llama"), 40)] == [(0, (0, 1))]
+
+
+def test_dead_blocks_and_window_size():
+    # the next query at position L sees keys L-W+1 .. L: block i is dead once (i+1)*bs <= L-W+1
+    assert dead_blocks(W, BS, 40) == 1 and dead_blocks(W, BS, 39) == 1 and dead_blocks(W, BS, 38) == 0
+    assert dead_blocks(0, BS, 1000) == 0
+    assert window_blocks_needed(W, BS, 1) == 3  # 23 older keys + 1 new, at any alignment
+
+
+def grouped(num_sliding=4):
+    return GroupedBlockPool([LayerGroup(0, (1,), 20), LayerGroup(W, (0,), num_sliding)], BS, 2)
+
+
+def run(pool, seq, tokens, chunk=1):
+    for a in range(0, len(tokens), chunk):
+        part = tokens[a:a + chunk]
+        pool.reserve(seq, len(part))
+        pool.commit(seq, part)
+        pool.check_invariants()
+
+
+def test_sliding_group_returns_blocks_as_they_leave_the_window():
+    pool = grouped()
+    seq = pool.new_sequence()
+    run(pool, seq, list(range(200)))
+    table = pool.block_table(seq, 1)
+    live = [i for i, b in enumerate(table) if b != HOLE]
+    assert live == [11, 12]  # the next query (200) sees 177..200: blocks 11 (176..191) and 12
+    assert live[0] == dead_blocks(W, BS, 200)
+    assert pool.free_blocks() == [20 - 13, 4 - 2]
+    assert pool.stats()["groups"][1]["used_blocks"] == 2
+    pool.release(seq)
+    assert pool.free_blocks() == [20, 4]
+
+
+def test_prefix_reuse_and_fork_per_group():
+    pool = grouped(num_sliding=6)
+    a = pool.new_sequence()
+    prompt = list(range(100, 180))  # 5 blocks
+    run(pool, a, prompt, chunk=16)
+    pool.release(a)
+    b, n = pool.new_sequence_with_prefix(prompt + [7])
+    assert n == 80
+    # global group: every block again; sliding group: only the blocks the next position can see
+    assert HOLE not in pool.block_table(b, 0)
+    assert [x == HOLE for x in pool.block_table(b, 1)] == [True, True, True, False, False]
+    pool.check_invariants()
+    c = pool.fork(b)
+    copies = pool.reserve(c, 1)
+    assert copies == []  # the fork's next token starts a fresh block in both groups
+    pool.commit(c, [7])
+    pool.check_invariants()
+    assert pool.length(b) == 80 and pool.length(c) == 81
+
+
+def test_prefix_reuse_stops_where_a_sliding_block_was_recycled():
+    pool = GroupedBlockPool([LayerGroup(0, (1,), 20), LayerGroup(W, (0,), 3)], BS, 2)
+    a = pool.new_sequence()
+    prompt = list(range(100, 180))
+    run(pool, a, prompt, chunk=16)
+    pool.release(a)
+    other = pool.new_sequence()
+    run(pool, other, list(range(500, 548)), chunk=16)  # reuses the sliding group's 3 blocks
+    b, n = pool.new_sequence_with_prefix(prompt + [7])
+    assert n == 0  # the global blocks are cached, the sliding window's are gone
+    pool.check_invariants()
+
+
+# ---------------------------------------------------------------------------------------------- engine
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_greedy_equals_hf_over_several_windows_with_blocks_returned(family):
+    prompt = [(7 * i) % 500 + 3 for i in range(70)]
+    steps = 40  # 110 tokens: more than 4 windows of 24
+    ref = hf_greedy(MODELS[family](), prompt, steps)
+    sliding_blocks = window_blocks_needed(W, BS, 16)
+    paged = compile(MODELS[family](), "fp32", num_blocks=12, max_seqs=2, sliding_blocks=sliding_blocks)
+    e = Engine(TorchBackend(paged), prefill_chunk=16)
+    c = e.new_conversation()
+    assert list(e.generate(c, prompt, steps)) == ref
+    e.pool.check_invariants()
+    seq = e.conversations[c].seq
+    length = e.pool.length(seq)
+    for g, grp in enumerate(e.groups):
+        table = e.pool.block_table(seq, g)
+        if grp.window:
+            holes = dead_blocks(W, BS, length)
+            assert holes >= 4 and table[:holes] == [HOLE] * holes  # returned as they left the window
+            assert e.stats()["groups"][g]["used_blocks"] == len(table) - holes <= sliding_blocks
+        else:
+            assert HOLE not in table
+    e.clear(c)
+    assert e.pool.free_blocks() == [g.num_blocks for g in e.groups]
+
+
+def test_one_global_group_is_exactly_the_single_pool():
+    paged = compile(tiny_model("llama"), "default", num_blocks=8, max_seqs=2)
+    assert [(g.window, g.num_blocks) for g in paged.groups] == [(0, 8)]
+    e = Engine(TorchBackend(paged), prefill_chunk=16)
+    tables = e._tables(3)
+    assert not isinstance(tables, list) and tables.shape == (2, 3)
