@@ -1,6 +1,7 @@
-"""Fidelity of the KV specs on a real model: SmolLM2-135M-Instruct on wikitext-2 (test split).
+"""Fidelity of the KV specs on a real model: SmolLM2-135M-Instruct (or Gemma 3 270M) on wikitext-2.
 
     python benchmarks/fidelity.py                       # ctx 512 x 8 windows, ctx 2048 x 2 windows
+    python benchmarks/fidelity.py --model gemma3-270m --out benchmarks/results/fidelity_gemma3.json
     python benchmarks/fidelity.py --ctx 512 --windows 8 --specs default "default:v_group=16"
 
 Teacher-forced, one call per window through the paged model (the plain-PyTorch reference op), the
@@ -22,14 +23,16 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from toolkit.fidelity import DEFAULT_SPECS, evaluate_ids, markdown_table, tokenize  # noqa: E402
+from toolkit.fidelity import DEFAULT_SPECS, evaluate_ids, markdown_table, tokenize, tokenizer_bos  # noqa: E402
 
 DEFAULT_TEXT = REPO / ".." / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2", help="HF dir, .gguf, or 'smollm2' (default)")
+    ap.add_argument("--model", default="smollm2", help="HF dir, .gguf, 'smollm2' (default) or 'gemma3-270m'")
+    ap.add_argument("--bos", choices=["auto", "on", "off"], default="auto",
+                    help="BOS first in every window: auto = when the tokenizer adds one (Gemma), as llama.cpp does")
     ap.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="text file (default: wikitext-2 wiki.test.raw)")
     ap.add_argument("--ctx", type=int, nargs="+", default=[512, 2048], help="window lengths (default 512 2048)")
     ap.add_argument("--windows", type=int, nargs="+", default=[8, 2],
@@ -48,7 +51,9 @@ def main(argv=None) -> int:
     from toolkit.model_loading import load_model
 
     model, tokenizer = load_model(args.model)
-    name = "SmolLM2-135M-Instruct (Q4_1 GGUF -> fp32)" if args.model == "smollm2" else str(args.model)
+    name = {"smollm2": "SmolLM2-135M-Instruct (Q4_1 GGUF -> fp32)",
+            "gemma3-270m": "Gemma 3 270M (Q4_K_M GGUF -> fp32)"}.get(args.model, str(args.model))
+    bos_id = tokenizer_bos(tokenizer) if args.bos == "auto" else (tokenizer.bos_token_id if args.bos == "on" else None)
     t0 = time.perf_counter()
     ids = tokenize(tokenizer, args.text.read_text(encoding="utf-8"))
     print(f"tokenized {args.text.name}: {len(ids)} tokens in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -56,7 +61,9 @@ def main(argv=None) -> int:
     report = {
         "model": name,
         "text": args.text.name,
-        "method": "teacher-forced, one paged call per window, no BOS, consecutive windows from the start; "
+        "bos": bos_id is not None,
+        "method": f"teacher-forced, one paged call per window, {'BOS first' if bos_id is not None else 'no BOS'}, "
+        "consecutive windows from the start; "
         "reference = fp32 pool; metrics over the ctx-1 next-token positions of each window",
         "block_size": args.block_size,
         "torch_threads": __import__("torch").get_num_threads(),
@@ -64,7 +71,7 @@ def main(argv=None) -> int:
     }
     for ctx, w in zip(args.ctx, windows):
         t0 = time.perf_counter()
-        res = evaluate_ids(model, ids, ctx, args.specs, w, args.block_size, model_name=name)
+        res = evaluate_ids(model, ids, ctx, args.specs, w, args.block_size, model_name=name, bos_id=bos_id)
         seconds = time.perf_counter() - t0
         res.update(windows=w, tokens_per_window=ctx, predictions=w * (ctx - 1), seconds=round(seconds, 1))
         report["runs"].append(res)

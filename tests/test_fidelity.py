@@ -26,7 +26,7 @@ def result():
 
 
 def test_shape(result):
-    assert set(result) == {"model", "ctx", "results"}
+    assert set(result) == {"model", "ctx", "bos", "results"} and result["bos"] is False
     assert result["model"] == "tiny" and result["ctx"] == 48
     assert [r["spec"] for r in result["results"]] == [
         "fp32", "fp16", "default", "q8_0-q4_0", "default:v_group=16,sink_blocks=0",
@@ -97,3 +97,14 @@ def test_cli_errors(tmp_path):
     assert res.exit_code == 2 and "does not exist" in " ".join(res.output.split())  # rich wraps lines
     res = CliRunner().invoke(app, ["eval", "smollm2", "--text", str(tmp_path / "nope.txt"), "--ctx", "8"])
     assert res.exit_code == 2 and "does not exist: pass --text" in " ".join(res.output.split())
+
+
+def test_bos_replaces_each_windows_first_token():
+    torch.manual_seed(0)
+    ids = torch.randint(3, 512, (2 * 32,))
+    model = tiny_model("llama")
+    run = lambda x, bos: evaluate_ids(model, x, ctx=32, specs=["k4v4"], windows=2, progress=False, bos_id=bos)
+    with_bos, without = run(ids, 1), run(ids, None)
+    assert with_bos["bos"] and with_bos["results"] != without["results"]
+    ids[0] = ids[32] = 1  # windows that already start with BOS: the same numbers either way
+    assert run(ids, 1)["results"] == run(ids, None)["results"]

@@ -4,8 +4,9 @@ against the unquantized pool, teacher-forced over windows of a text.
     result = evaluate(model, tokenizer, text, ctx=512, specs=["default", "q8_0-q4_0"], windows=8)
 
 Method (the numbers in DESIGN.md were measured the same way):
-- tokenize the whole text without special tokens (no BOS) and cut `windows` consecutive,
-  non-overlapping windows of `ctx` tokens from the start;
+- tokenize the whole text without special tokens and cut `windows` consecutive, non-overlapping
+  windows of `ctx` tokens from the start; with a BOS id (by default when the tokenizer adds one, as
+  Gemma's does), each window's first token is replaced by BOS, as llama.cpp's perplexity does;
 - run each window through the paged model in ONE call (positions 0..ctx-1, sequence 0, block
   table 0..ctx/block_size-1), once per spec, with the pool zeroed before every call;
 - the reference is the unquantized "fp32" pool (always the first row; KLD 0, agreement 1);
@@ -74,6 +75,15 @@ def tokenize(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def tokenizer_bos(tokenizer) -> int | None:
+    """The BOS id the tokenizer puts before a text (Gemma, Llama 2/3), or None when it adds none."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+    return bos if ids[:1] == [bos] else None
+
+
 def _window_logits(paged, ids: torch.Tensor, block_size: int) -> torch.Tensor:
     t = ids.numel()
     paged.reset_pool()
@@ -96,8 +106,10 @@ def evaluate_ids(
     block_size: int = 16,
     model_name: str | None = None,
     progress: bool = True,
+    bos_id: int | None = None,
 ) -> dict:
-    """Like `evaluate`, on token ids already cut from a text (no tokenizer needed)."""
+    """Like `evaluate`, on token ids already cut from a text (no tokenizer needed); bos_id replaces
+    each window's first token."""
     from toolkit.compiler import compile, model_dims  # heavy import (transformers)
 
     ids = torch.as_tensor(ids, dtype=torch.int64).flatten()
@@ -125,7 +137,9 @@ def evaluate_ids(
         except SpecError as e:
             raise SpecError(f"spec '{name}': {e}") from None
     num_blocks = -(-ctx // block_size)
-    paged = {name: compile(model, spec, block_size=block_size, num_blocks=num_blocks, max_seqs=1) for name, spec in rows}
+    # one block table for all layers (groups=False): a window of ctx tokens needs every block anyway
+    paged = {name: compile(model, spec, block_size=block_size, num_blocks=num_blocks, max_seqs=1, groups=False)
+             for name, spec in rows}
 
     n = len(rows)
     nll = torch.zeros(n, dtype=torch.float64)
@@ -137,6 +151,8 @@ def evaluate_ids(
         task = bar.add_task("fidelity", total=n * windows) if bar else None
         for w in range(windows):
             window = ids[w * ctx : (w + 1) * ctx]
+            if bos_id is not None:
+                window = torch.cat((torch.tensor([bos_id]), window[1:]))
             target = window[1:]
             ref_logp = ref_top = None
             for i, (name, _) in enumerate(rows):
@@ -174,7 +190,7 @@ def evaluate_ids(
                 "top1_agreement": round(float(agree[i] / count), 5),
             }
         )
-    return {"model": model_name or _model_name(model), "ctx": ctx, "results": results}
+    return {"model": model_name or _model_name(model), "ctx": ctx, "bos": bos_id is not None, "results": results}
 
 
 def evaluate(
@@ -187,14 +203,23 @@ def evaluate(
     block_size: int = 16,
     model_name: str | None = None,
     progress: bool = True,
+    bos: bool | None = None,
 ) -> dict:
     """Teacher-forced fidelity of each KV spec vs the fp32 pool over `windows` windows of `ctx` tokens.
 
     Returns {"model", "ctx", "results": [{"spec", "bytes_per_token_vs_fp16", "ppl", "ppl_increase_pct",
     "kld_mean", "top1_agreement"}, ...]} with the "fp32" reference row first.
+    bos: put the tokenizer's BOS first in every window (None: when the tokenizer adds one itself).
     """
     ids = tokenize(tokenizer, text)
-    return evaluate_ids(model, ids, ctx, specs, windows, block_size, model_name, progress)
+    bos_id = tokenizer_bos(tokenizer)
+    if bos and bos_id is None:
+        bos_id = getattr(tokenizer, "bos_token_id", None)
+        if bos_id is None:
+            raise PagedKVError("--bos: the tokenizer has no BOS token; leave --bos out.")
+    if bos is False:
+        bos_id = None
+    return evaluate_ids(model, ids, ctx, specs, windows, block_size, model_name, progress, bos_id)
 
 
 class _NoProgress:
