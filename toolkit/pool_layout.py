@@ -12,6 +12,7 @@ buffer); block ids and block tables are shared by all layers:
 
 A token at position p of sequence s lives in slot block_tables[s, p // block_size] * block_size
 + p % block_size. Block table entries of -1 are holes (no block): their keys are skipped.
+toolkit/POOL_FORMAT.md documents the whole format (records, rotation, float copies, attention rule).
 """
 
 from __future__ import annotations

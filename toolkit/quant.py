@@ -6,7 +6,10 @@ here.
 Storage of one token of one KV head (the "record"), for a quantized spec:
 
     codes  (uint8):   K bitstream (D * k_bits / 8 bytes) ++ V bitstream (D * v_bits / 8 bytes)
-    scales (float16): K scales[Gk] (++ K zeros[Gk] if K asymmetric) ++ V scales[Gv] (++ V zeros[Gv])
+    scales (float16): K scales[nk] (++ K zeros[nk] if K asymmetric) ++ V scales[nv] (++ V zeros[nv])
+
+where nk = head_dim / k_group and nv = head_dim / v_group are group COUNTS (the spec's k_group /
+v_group are values per group). toolkit/POOL_FORMAT.md is the complete format, in one place.
 
 Bit packing: value i of a head vector occupies bits [i*b, i*b + b) of its bitstream, least
 significant bit first, so for 4 bits value 0 is the LOW nibble of byte 0 (ORT's int4 order).
