@@ -90,7 +90,59 @@ class Dims:
 KNOWN_DIMS: dict[str, Dims] = {
     # SmolLM2-135M(-Instruct): llama, hidden 576 = 9 heads x 64, GQA with 3 KV heads.
     "smollm2": Dims(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, vocab_size=49152),
+    # Gemma 3 270M: 18 layers, 4 heads, 1 KV head of 256; every 6th layer global, the others slide over 512.
+    "gemma3-270m": Dims(num_layers=18, num_heads=4, num_kv_heads=1, head_dim=256, vocab_size=262144),
 }
+# Per layer, the sliding window (0 = global attention) of the known models with sliding layers.
+KNOWN_WINDOWS: dict[str, list[int]] = {"gemma3-270m": ([512] * 5 + [0]) * 3}
+# Tokens one call writes at most (the engine's prefill chunk, the .pte's default max_tokens_per_call):
+# a sliding layer group holds window + this many tokens of blocks per sequence at its peak.
+PLAN_CHUNK = 64
+
+
+def load_windows(model: str | Path | None = None) -> list[int]:
+    """Per layer, the sliding window (0 = global) of a known name, tiny family, HF dir or .gguf."""
+    name = "smollm2" if model is None else str(model)
+    if name in KNOWN_DIMS:
+        return KNOWN_WINDOWS.get(name, [0] * KNOWN_DIMS[name].num_layers)
+    from toolkit.compiler import layer_windows
+    from toolkit.tiny_models import TINY_CONFIGS
+
+    if name in TINY_CONFIGS:
+        from toolkit.tiny_models import tiny_config
+
+        return layer_windows(tiny_config(name))
+    from transformers import AutoConfig
+
+    path = Path(name).expanduser()
+    if path.is_file():
+        return layer_windows(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
+    return layer_windows(AutoConfig.from_pretrained(path))
+
+
+def grouped_fit(spec: KVQuantSpec, dims: Dims, windows: list[int], ram_bytes: int, block_size: int,
+                max_seqs: int, chunk: int = PLAN_CHUNK) -> dict | None:
+    """Tokens that fit when layers are grouped by attention type (toolkit.block_pool.GroupedBlockPool):
+    each sliding layer's pool holds only max_seqs x window_blocks_needed(window, block_size, chunk)
+    blocks; the global layers share the rest of the budget. None for a model without sliding layers."""
+    from toolkit.block_pool import window_blocks_needed
+
+    if not any(windows):
+        return None
+    per_layer = bytes_per_token(spec, dims.num_kv_heads, dims.head_dim, 1)
+    sliding_blocks = {w: max_seqs * window_blocks_needed(w, block_size, chunk) for w in set(windows) if w}
+    sliding_bytes = sum(sliding_blocks[w] * block_size * per_layer for w in windows if w)
+    free = ram_bytes - pool_fixed_bytes(spec, dims, block_size, max_seqs) - sliding_bytes
+    n_global = windows.count(0)
+    if free < 0:
+        tokens = 0
+    elif n_global == 0:
+        tokens = None  # only sliding layers: every conversation runs on for ever in a fixed pool
+    else:
+        tokens = int(free // (per_layer * n_global * block_size)) * block_size
+    return {"global_layers": n_global, "sliding_layers": len(windows) - n_global,
+            "sliding_blocks_per_layer": {str(w): n for w, n in sliding_blocks.items()},
+            "sliding_pool_bytes": sliding_bytes, "tokens_fit": tokens}
 
 
 def _dims_from_config(config) -> Dims:
@@ -184,7 +236,8 @@ def contiguous_buffer_bytes(dims: Dims, ctx: int) -> int:
 
 
 def plan(config_or_dims=None, ram_bytes: int = 4 * 2**30, specs=None, block_size: int = 16,
-         max_seqs: int = 4, ctx: int = DEFAULT_CTX, model_name: str | None = None) -> dict:
+         max_seqs: int = 4, ctx: int = DEFAULT_CTX, model_name: str | None = None,
+         windows: list[int] | None = None) -> dict:
     """Per KV spec: exact bytes/token, fixed per-sequence fp16 stage bytes, tokens that fit in
     ram_bytes, the pool's per-layer allocations and its largest single allocation; next to a
     contiguous fp16 cache (one [layers,2,ctx,kv_heads,head_dim] buffer per conversation)."""
@@ -203,6 +256,8 @@ def plan(config_or_dims=None, ram_bytes: int = 4 * 2**30, specs=None, block_size
         model_name = str(config_or_dims) if isinstance(config_or_dims, (str, Path)) else \
             ("smollm2" if config_or_dims is None else type(config_or_dims).__name__)
     L, H, D = dims.num_layers, dims.num_kv_heads, dims.head_dim
+    if windows is None and (config_or_dims is None or isinstance(config_or_dims, (str, Path))):
+        windows = load_windows(config_or_dims)
     fp16_bpt = fp16_bytes_per_token(H, D, L)
     contig_alloc = contiguous_buffer_bytes(dims, ctx)
     contiguous = {
@@ -232,6 +287,7 @@ def plan(config_or_dims=None, ram_bytes: int = 4 * 2**30, specs=None, block_size
             "tokens_vs_contiguous": (nb * block_size) / contiguous["tokens_fit"] if contiguous["tokens_fit"] else 0.0,
             "conversations_fit": (nb * block_size) // ctx,
             "fits": nb > 0,
+            "grouped": grouped_fit(spec, dims, windows or [0] * L, ram_bytes, block_size, max_seqs),
         }
         if nb > 0:
             layout = pool_layout(spec, dims, nb, block_size, max_seqs)
@@ -268,28 +324,36 @@ def rich_table(result: dict):
         f"KV cache in {format_bytes(result['ram_bytes'])}, block {result['block_size']}, "
         f"{result['max_seqs']} sequences, ctx {result['ctx']}"
     )
-    for col in ("cache", "spec", "B/token", "vs fp16", "stage/seq", "tokens fit", "x contiguous",
-                "allocations", "per layer: codes / scales / stage", "largest alloc"):
+    grouped = any(r.get("grouped") for r in result["specs"])
+    cols = ["cache", "spec", "B/token", "vs fp16", "stage/seq", "tokens fit", "x contiguous",
+            "allocations", "per layer: codes / scales / stage", "largest alloc"]
+    if grouped:  # a model with sliding layers: tokens that fit with one pool per layer group
+        cols.insert(6, "tokens fit (groups)")
+    for col in cols:
         table.add_column(col, justify="left" if col in ("cache", "spec") else "right")
     shape = "x".join(str(s) for s in c["buffer_shape"])
-    table.add_row(
-        "contiguous", "fp16", str(c["bytes_per_token"]), "1.000x", "-", f"{c['tokens_fit']:,}", "1.00x",
-        "1 per chat", f"[{shape}] fp16", format_bytes(c["largest_allocation_bytes"]),
-    )
+    row = ["contiguous", "fp16", str(c["bytes_per_token"]), "1.000x", "-", f"{c['tokens_fit']:,}", "1.00x",
+           "1 per chat", f"[{shape}] fp16", format_bytes(c["largest_allocation_bytes"])]
+    table.add_row(*(row[:6] + ["-"] + row[6:] if grouped else row))
     for r in result["specs"]:
         per = r["allocations_per_layer"]
-        table.add_row(
+        row = [
             "paged", r["name"], str(r["bytes_per_token"]), f"{r['vs_fp16']:.3f}x",
             format_bytes(r["stage_bytes_per_sequence"]) if r["stage_bytes_per_sequence"] else "0",
             f"{r['tokens_fit']:,}", f"{r['tokens_vs_contiguous']:.2f}x",
             str(r["allocation_count"]) if per else "does not fit",
             " / ".join(format_bytes(per[k]) for k in ("codes", "scales", "stage")) if per else "-",
             format_bytes(r["largest_allocation_bytes"]),
-        )
+        ]
+        if grouped:
+            g = r.get("grouped") or {}
+            fit = g.get("tokens_fit", r["tokens_fit"])
+            row.insert(6, "unbounded" if fit is None else f"{fit:,}")
+        table.add_row(*row)
     return table
 
 
 __all__ = [
-    "DEFAULT_CTX", "DEFAULT_SPECS", "Dims", "KNOWN_DIMS", "as_dims", "blocks_for_budget", "contiguous_buffer_bytes",
+    "DEFAULT_CTX", "DEFAULT_SPECS", "Dims", "KNOWN_DIMS", "KNOWN_WINDOWS", "as_dims", "grouped_fit", "load_windows", "blocks_for_budget", "contiguous_buffer_bytes",
     "format_bytes", "load_dims", "parse_size", "plan", "pool_fixed_bytes", "pool_layout", "rich_table",
 ]

@@ -165,3 +165,24 @@ def test_one_global_group_is_exactly_the_single_pool():
     e = Engine(TorchBackend(paged), prefill_chunk=16)
     tables = e._tables(3)
     assert not isinstance(tables, list) and tables.shape == (2, 3)
+
+
+# ---------------------------------------------------------------------------------------------- plan
+
+
+def test_plan_tokens_with_and_without_groups():
+    from runtime_sim.plan import grouped_fit, load_dims, plan
+    from toolkit.kv_spec import bytes_per_token, resolve_spec
+
+    r = plan("gemma3-270m", "2GiB", ["default"])
+    row = r["specs"][0]
+    g = row["grouped"]
+    assert (g["global_layers"], g["sliding_layers"]) == (3, 15)
+    # each sliding layer: 4 sequences x (512 - 1 + 64 tokens of blocks, + 1 block) = 4 x 37 blocks
+    assert g["sliding_blocks_per_layer"] == {"512": 4 * 37}
+    per_layer = bytes_per_token(resolve_spec("default"), 1, 256, 1)
+    assert g["sliding_pool_bytes"] == 15 * 4 * 37 * 16 * per_layer
+    assert 5.5 < g["tokens_fit"] / row["tokens_fit"] < 6  # 18 layers hold the context -> 3 do
+    assert plan("smollm2", "1GiB", ["default"])["specs"][0]["grouped"] is None
+    mistral = grouped_fit(resolve_spec("default"), load_dims("mistral"), [W, W], 2**30, 16, 4)
+    assert mistral["tokens_fit"] is None  # only sliding layers: a fixed pool, conversations unbounded
