@@ -5,6 +5,7 @@ Needs the libraries from `make native`; the tests skip when they are missing.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -28,6 +29,20 @@ try:
     ET_LIB = native.et_library_path()
 except KernelLibraryMissing:
     ET_LIB = None
+
+# Every code path the build has and this CPU runs (scalar and AVX2 everywhere on x86, AVX-512 where
+# the CPU has it), forced per test through the library's own switch (PAGEDKV_ISA at start-up).
+ORT_ISAS = native.available_isas(native.ort_kernels()) if ORT_LIB else ["auto"]
+
+
+@contextlib.contextmanager
+def forced_isa(lib, isa: str):
+    native.set_isa(lib, isa)
+    try:
+        yield
+    finally:
+        native.set_isa(lib, "auto")
+
 
 needs_ort = pytest.mark.skipif(ORT_LIB is None, reason="libpagedkv_ort.so not built (make native)")
 needs_et = pytest.mark.skipif(ET_LIB is None, reason="libpagedkv_et.so not built (make native)")
@@ -186,10 +201,12 @@ SPECS = ["default", "fp32", "fp16", "q8_0-q4_0", "et-int8", "k4v4", "best"]
 
 
 @needs_ort
+@pytest.mark.parametrize("isa", ORT_ISAS)
 @pytest.mark.parametrize("spec", SPECS)
-def test_ort_presets(spec):
+def test_ort_presets(spec, isa):
     sc = Scenario(PRESETS[spec], hq=8, hkv=2, d=64, bs=16, lens=[45, 1, 33], chunk=20, sinks=True, seed=1)
-    _run_ort(sc)
+    with forced_isa(native.ort_kernels(), isa):
+        _run_ort(sc)
 
 
 @needs_ort
@@ -206,26 +223,45 @@ def test_ort_presets(spec):
     softcap=st.sampled_from([0.0, 0.0, 15.0]),
     sinks=st.booleans(),
     seed=st.integers(0, 1000),
+    isa=st.sampled_from(ORT_ISAS),
 )
-def test_ort_random(spec, hkv, ratio, d, bs, lens, chunk, window, softcap, sinks, seed):
+def test_ort_random(spec, hkv, ratio, d, bs, lens, chunk, window, softcap, sinks, seed, isa):
     sc = Scenario(PRESETS[spec], hq=hkv * ratio, hkv=hkv, d=d, bs=bs, lens=lens, chunk=chunk, window=window,
                   softcap=softcap, sinks=sinks, holes=window > 0, seed=seed)
-    _run_ort(sc)
+    with forced_isa(native.ort_kernels(), isa):
+        _run_ort(sc)
 
 
 @needs_ort
+@pytest.mark.parametrize("isa", ORT_ISAS)
 @pytest.mark.parametrize("spec,window,sinks", [("default", 0, False), ("q8_0-q4_0", 100, True)])
-def test_ort_long_decode_split_k(spec, window, sinks):
+def test_ort_long_decode_split_k(spec, window, sinks, isa):
     """Single-token decode over 8+ blocks takes the split-K path (parts merged at the end)."""
     sc = Scenario(PRESETS[spec], hq=6, hkv=2, d=64, bs=16, lens=[150], chunk=1, window=window, sinks=sinks, seed=7)
-    _run_ort(sc)
+    with forced_isa(native.ort_kernels(), isa):
+        _run_ort(sc)
 
 
 @needs_ort
-def test_ort_generic_bits():
-    for kb, vb, ks, vs in ((6, 5, True, False), (3, 2, False, True), (7, 8, True, True)):
-        spec = KVQuantSpec(kb, vb, 32, 16, ks, vs, True, True, 1)
-        _run_ort(Scenario(spec, hq=4, hkv=2, d=64, bs=16, lens=[40, 17], chunk=9, seed=kb))
+@pytest.mark.parametrize("isa", ORT_ISAS)
+def test_ort_generic_bits(isa):
+    with forced_isa(native.ort_kernels(), isa):
+        for kb, vb, ks, vs in ((6, 5, True, False), (3, 2, False, True), (7, 8, True, True)):
+            spec = KVQuantSpec(kb, vb, 32, 16, ks, vs, True, True, 1)
+            _run_ort(Scenario(spec, hq=4, hkv=2, d=64, bs=16, lens=[40, 17], chunk=9, seed=kb))
+
+
+@needs_ort
+def test_isa_switch_reports_paths():
+    """The path list is what the build and CPU have: scalar always; a name the build lacks is refused."""
+    lib = native.ort_kernels()
+    assert ORT_ISAS[0] == "scalar" and len(set(ORT_ISAS)) == len(ORT_ISAS)
+    assert lib.pagedkv_active_isa() == native.ISAS[ORT_ISAS[-1]]  # auto picks the widest
+    missing = [n for n in native.ISAS if n not in ORT_ISAS]
+    for name in missing + ["sse9"]:
+        with pytest.raises(PagedKVError, match="not available here"):
+            native.set_isa(lib, name)
+    assert lib.pagedkv_active_isa() == native.ISAS[ORT_ISAS[-1]]
 
 
 @needs_ort
@@ -310,21 +346,29 @@ def _et_program(sc: Scenario, max_t: int | None):
     return program, program.load_method("forward")  # the method needs its program alive
 
 
+ET_ISAS = native.available_isas(native.load_executorch_kernels()) if ET_LIB else []
+
+
 @needs_et
-@pytest.mark.parametrize("spec", ["default", "fp32", "q8_0-q4_0", "k4v4"])
-def test_executorch_kernel(spec):
+@pytest.mark.parametrize(
+    "spec,isa",
+    [(s, "auto") for s in ("default", "fp32", "q8_0-q4_0", "k4v4")] + [("default", i) for i in ET_ISAS[:-1]],
+)
+def test_executorch_kernel(spec, isa):
+    """Each spec on the best path, and the default spec on every other path of the ExecuTorch library."""
     sc = Scenario(PRESETS[spec], hq=6, hkv=2, d=64, bs=16, lens=[40, 3, 21], chunk=16, sinks=True,
                   window=0, seed=11)
     max_t = max(len(c["positions"]) for c in sc.calls)
     _program, method = _et_program(sc, max(max_t, 2))
     ref_pools = (sc.codes.clone(), sc.scales.clone(), sc.stage.clone())
-    for i, call in enumerate(sc.calls):
-        want = reference_paged_attention(*_args(sc, call, *ref_pools, sc.tables))
-        got = method.execute([call["q"], call["k"], call["v"], call["positions"], call["seq_ids"], sc.tables,
-                              sc.sinks])
-        _assert_out(f"et call {i}", got[0], want[0])
-        _assert_pools(f"et call {i}", got[1:], want[1:])
-        ref_pools = want[1:]
+    with forced_isa(native.load_executorch_kernels(), isa):
+        for i, call in enumerate(sc.calls):
+            want = reference_paged_attention(*_args(sc, call, *ref_pools, sc.tables))
+            got = method.execute([call["q"], call["k"], call["v"], call["positions"], call["seq_ids"], sc.tables,
+                                  sc.sinks])
+            _assert_out(f"et {isa} call {i}", got[0], want[0])
+            _assert_pools(f"et {isa} call {i}", got[1:], want[1:])
+            ref_pools = want[1:]
 
 
 def test_each_host_library_keeps_its_own_core():

@@ -112,6 +112,26 @@ def set_kernel_threads(lib: ctypes.CDLL, threads: int) -> int:
     return int(lib.pagedkv_num_threads())
 
 
+# The kernel core's code paths by PAGEDKV_ISA name (the values of pagedkv::Isa in pagedkv_core.h).
+ISAS = {"scalar": 1, "avx2": 2, "neon": 3, "neon-dotprod": 4, "avx512": 5, "avx512-vnni": 6}
+
+
+def available_isas(lib: ctypes.CDLL) -> list[str]:
+    """The code paths one loaded library can run on this CPU (the build's paths the CPU supports);
+    leaves the library on its automatic choice."""
+    lib.pagedkv_set_isa.argtypes = [ctypes.c_int]
+    have = [name for name, i in ISAS.items() if lib.pagedkv_set_isa(i)]
+    lib.pagedkv_set_isa(0)
+    return have
+
+
+def set_isa(lib: ctypes.CDLL, name: str) -> None:
+    """Force one library's code path (as PAGEDKV_ISA does at start-up); "auto" restores the best one."""
+    lib.pagedkv_set_isa.argtypes = [ctypes.c_int]
+    if not lib.pagedkv_set_isa(0 if name == "auto" else ISAS.get(name, -1)):
+        raise PagedKVError(f"code path {name!r} is not available here: use one of {available_isas(lib)} or auto.")
+
+
 def last_call_threads(lib: ctypes.CDLL) -> int:
     """How many threads ran the attention of the library's most recent op call (1: all on the calling
     thread; short calls always run there)."""
