@@ -25,6 +25,23 @@ def result():
     return evaluate_ids(tiny_model("llama"), ids, ctx=48, specs=specs, windows=2, model_name="tiny", progress=False)
 
 
+def test_native_kernel_gives_the_reference_numbers(result):
+    """`pagedkv eval` runs the op on the C++ core (kernel="native", the default): the same numbers as
+    the plain-PyTorch reference to 1e-4 (relative), on the same windows and specs."""
+    torch.manual_seed(0)
+    ids = torch.randint(3, 512, (2 * 48 + 5,))
+    specs = ["fp16", "default", "q8_0-q4_0", "default:v_group=16,sink_blocks=0"]
+    ref = evaluate_ids(tiny_model("llama"), ids, ctx=48, specs=specs, windows=2, model_name="tiny", progress=False,
+                       kernel="reference")
+    for want, got in zip(ref["results"], result["results"]):
+        assert want["spec"] == got["spec"]
+        assert got["ppl"] == pytest.approx(want["ppl"], rel=1e-4)
+        assert got["kld_mean"] == pytest.approx(want["kld_mean"], rel=1e-3, abs=1e-7)
+        assert abs(got["top1_agreement"] - want["top1_agreement"]) <= 1 / 94  # at most one flipped argmax
+    with pytest.raises(PagedKVError, match="kernel='fast'"):
+        evaluate_ids(tiny_model("llama"), ids, ctx=48, specs=specs, windows=1, progress=False, kernel="fast")
+
+
 def test_shape(result):
     assert set(result) == {"model", "ctx", "bos", "results"} and result["bos"] is False
     assert result["model"] == "tiny" and result["ctx"] == 48

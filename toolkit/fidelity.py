@@ -20,6 +20,7 @@ A spec is a preset name ("default", "q8_0-q4_0", ...) or a preset with field ove
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -97,6 +98,17 @@ def _model_name(model) -> str:
     return str(getattr(model.config, "_name_or_path", "") or getattr(model.config, "model_type", "model"))
 
 
+def _op_kernel(kernel: str):
+    """The context the windows run in: the op on the native core, or the PyTorch reference."""
+    if kernel == "reference":
+        return contextlib.nullcontext()
+    if kernel != "native":
+        raise PagedKVError(f"kernel={kernel!r}: use 'native' (the C++ core) or 'reference' (plain PyTorch).")
+    from toolkit.native_op import native_op
+
+    return native_op()
+
+
 def evaluate_ids(
     model,
     ids,
@@ -107,6 +119,7 @@ def evaluate_ids(
     model_name: str | None = None,
     progress: bool = True,
     bos_id: int | None = None,
+    kernel: str = "native",
 ) -> dict:
     """Like `evaluate`, on token ids already cut from a text (no tokenizer needed); bos_id replaces
     each window's first token."""
@@ -147,7 +160,7 @@ def evaluate_ids(
     agree = torch.zeros(n, dtype=torch.float64)
     count = 0
     progress_bar = _progress(progress)
-    with progress_bar as bar:
+    with _op_kernel(kernel), progress_bar as bar:
         task = bar.add_task("fidelity", total=n * windows) if bar else None
         for w in range(windows):
             window = ids[w * ctx : (w + 1) * ctx]
@@ -204,12 +217,15 @@ def evaluate(
     model_name: str | None = None,
     progress: bool = True,
     bos: bool | None = None,
+    kernel: str = "native",
 ) -> dict:
     """Teacher-forced fidelity of each KV spec vs the fp32 pool over `windows` windows of `ctx` tokens.
 
     Returns {"model", "ctx", "results": [{"spec", "bytes_per_token_vs_fp16", "ppl", "ppl_increase_pct",
     "kld_mean", "top1_agreement"}, ...]} with the "fp32" reference row first.
     bos: put the tokenizer's BOS first in every window (None: when the tokenizer adds one itself).
+    kernel: "native" runs the op on the C++ core (toolkit.native_op, built by `make native`; minutes
+    instead of tens of minutes on a real model), "reference" on the plain-PyTorch op (its definition).
     """
     ids = tokenize(tokenizer, text)
     bos_id = tokenizer_bos(tokenizer)
@@ -219,7 +235,7 @@ def evaluate(
             raise PagedKVError("--bos: the tokenizer has no BOS token; leave --bos out.")
     if bos is False:
         bos_id = None
-    return evaluate_ids(model, ids, ctx, specs, windows, block_size, model_name, progress, bos_id)
+    return evaluate_ids(model, ids, ctx, specs, windows, block_size, model_name, progress, bos_id, kernel)
 
 
 class _NoProgress:
