@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from export.artifacts import PoolRequest, export_artifacts  # noqa: E402
-from export.manifest import read_manifest  # noqa: E402
+from toolkit.manifest import read_manifest  # noqa: E402
 from runtime_sim.backends import TorchBackend  # noqa: E402
 from runtime_sim.engine import Engine  # noqa: E402
 from runtime_sim.session import open_artifacts  # noqa: E402
@@ -52,7 +52,7 @@ def ensure_exported(name: str, root: Path) -> Path:
     export_artifacts("smollm2", out, (fmt,), "default", PoolRequest(pool_tokens=1024, max_seqs=1),
                      onnx_weights=weights if fmt == "onnx" else "fp32",
                      pte_weights=weights if fmt == "pte" else "fp32", max_tokens_per_call=CHUNK,
-                     model_and_tokenizer=(model, tok))
+                     model_and_tokenizer=(model, tok), force=True)
     return out
 
 

@@ -1,22 +1,36 @@
-"""`pagedkv export`: model -> artifacts dir (model.onnx / model.pte, tokenizer files, pagedkv.json)."""
+"""`pagedkv export`: model -> artifacts dir (model.onnx / model.pte, tokenizer files, pagedkv.json).
+
+An export never damages what was there: everything that can be checked without the model (options,
+spec, sizes, the model's config.json, the output path) is checked first; the files are written into
+a temporary sibling dir, which replaces the target only when the whole export succeeded (an existing
+non-empty target is refused unless force=True, and is then replaced whole, never merged). On any
+failure the temporary dir is removed and the target is left as it was.
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 
-from export.manifest import sha256_file, update_manifest
-from toolkit.compiler import compile, model_dims
-from toolkit.errors import PagedKVError, SpecError
+from toolkit.errors import ArtifactError, PagedKVError, SpecError
+from toolkit.manifest import sha256_file, write_manifest
 from toolkit.pool_layout import PoolLayout, check_block_size
-from toolkit.quant import KVQuantSpec, bytes_per_token, fp_stage_bytes_per_sequence, resolve_spec
+from toolkit.kv_spec import KVQuantSpec, bytes_per_token, fp_stage_bytes_per_sequence, resolve_spec
 
 FORMATS = ("onnx", "pte")
-ONNX_WEIGHTS = ("fp32", "int4")
-PTE_WEIGHTS = ("fp32", "8da4w")
+ONNX_WEIGHTS = ("fp32", "int4", "int4-e4")
+PTE_WEIGHTS = ("fp32", "8da4w", "8da4w-e8")
+MAX_TOKENS_PER_CALL = 4096  # the .pte's largest prefill chunk (a graph bound, not a pool size)
+MAX_POOL_TOKENS = 1 << 24
+MAX_SEQS = 4096
 
 
 @dataclass
@@ -28,9 +42,22 @@ class PoolRequest:
     max_seqs: int = 4
     block_size: int = 16
 
-    def num_blocks(self, spec: KVQuantSpec, num_layers: int, kv_heads: int, head_dim: int) -> int:
+    def check(self) -> "PoolRequest":
+        """Range checks that need no model (before the slow load)."""
         if self.pool_tokens is not None and self.pool_mb is not None:
             raise SpecError("give either --pool-tokens or --pool-mb, not both.")
+        if self.pool_mb is not None and not (isinstance(self.pool_mb, (int, float)) and math.isfinite(self.pool_mb)
+                                             and 0 < self.pool_mb <= 2**20):
+            raise SpecError(f"--pool-mb {self.pool_mb}: give a pool size in MiB between 0 and 1048576.")
+        if self.pool_tokens is not None and not 1 <= self.pool_tokens <= MAX_POOL_TOKENS:
+            raise SpecError(f"--pool-tokens {self.pool_tokens}: give 1 .. {MAX_POOL_TOKENS} tokens.")
+        if not 1 <= self.max_seqs <= MAX_SEQS:
+            raise SpecError(f"--max-seqs {self.max_seqs}: give 1 .. {MAX_SEQS} conversations.")
+        check_block_size(self.block_size)
+        return self
+
+    def num_blocks(self, spec: KVQuantSpec, num_layers: int, kv_heads: int, head_dim: int) -> int:
+        self.check()
         if self.pool_mb is not None:
             per_token = bytes_per_token(spec, kv_heads, head_dim, num_layers)
             stage = fp_stage_bytes_per_sequence(spec, self.block_size, kv_heads, head_dim, num_layers) * self.max_seqs
@@ -49,6 +76,8 @@ class PoolRequest:
 
 
 def make_layout(config, spec: KVQuantSpec, req: PoolRequest) -> PoolLayout:
+    from toolkit.compiler import model_dims
+
     d = model_dims(config)
     nb = req.num_blocks(spec, d.num_layers, d.num_kv_heads, d.head_dim)
     return PoolLayout(spec, d.num_layers, d.num_kv_heads, d.head_dim, req.block_size, nb, req.max_seqs)
@@ -67,22 +96,7 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def export_artifacts(
-    model_path: str,
-    out_dir: Path,
-    formats: tuple[str, ...] = ("onnx",),
-    spec: str | KVQuantSpec = "default",
-    pool: PoolRequest | None = None,
-    onnx_weights: str = "fp32",
-    pte_weights: str = "fp32",
-    max_tokens_per_call: int = 64,
-    console: Console | None = None,
-    model_and_tokenizer=None,
-) -> dict:
-    """Export `model_path` to `out_dir`; returns the manifest. `model_and_tokenizer` skips loading."""
-    from toolkit.model_loading import load_model
-
-    console = console or Console(stderr=True)
+def check_options(formats, onnx_weights: str, pte_weights: str, max_tokens_per_call: int) -> None:
     for f in formats:
         if f not in FORMATS:
             raise PagedKVError(f"unknown format '{f}': use onnx, pte or all.")
@@ -90,35 +104,148 @@ def export_artifacts(
         raise PagedKVError(f"--onnx-weights {onnx_weights}: use one of {', '.join(ONNX_WEIGHTS)}.")
     if pte_weights not in PTE_WEIGHTS:
         raise PagedKVError(f"--pte-weights {pte_weights}: use one of {', '.join(PTE_WEIGHTS)}.")
-    spec = resolve_spec(spec).validate()
-    pool = pool or PoolRequest()
-    check_block_size(pool.block_size)  # cheap checks before the (slow) model load
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if not 1 <= max_tokens_per_call <= MAX_TOKENS_PER_CALL:
+        raise PagedKVError(f"--max-tokens-per-call {max_tokens_per_call}: give 1 .. {MAX_TOKENS_PER_CALL}.")
 
-    model, tokenizer = model_and_tokenizer or load_model(model_path)
-    layout = make_layout(model.config, spec, pool)  # validates spec/pool before any slow work
+
+def check_out_dir(out_dir: Path, force: bool) -> None:
+    """The target may not exist, be an empty dir, or (with force) a dir to replace whole."""
+    if out_dir.exists() or out_dir.is_symlink():
+        if not out_dir.is_dir() or out_dir.is_symlink():
+            raise ArtifactError(f"--out {out_dir} exists and is not a directory: choose another --out.")
+        if any(out_dir.iterdir()) and not force:
+            raise ArtifactError(f"--out {out_dir} exists and is not empty: pass --force to replace it whole, or "
+                                "choose another --out.")
+    parent = out_dir.parent
+    probe = parent
+    while not probe.exists():  # the nearest existing ancestor must be a writable dir
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ArtifactError(f"--out {out_dir}: {probe} is a file, not a directory: choose another --out.")
+    try:  # access() says yes to root even on read-only or virtual file systems: try it
+        os.rmdir(tempfile.mkdtemp(prefix=".pagedkv-probe-", dir=probe))
+    except OSError as e:
+        raise ArtifactError(f"--out {out_dir}: cannot create a directory in {probe} ({e.strerror}): choose another "
+                            "--out.") from None
+
+
+def preflight_model(model_path) -> None:
+    """Reject an unsupported architecture from a HF dir's config.json, before loading the weights."""
+    path = Path(str(model_path)).expanduser()
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        return  # a .gguf or 'smollm2': checked when loaded
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ArtifactError(f"{cfg_path} is not valid JSON ({e}): fix or re-save the model's config.") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model_type"), str):
+        raise ArtifactError(f"{cfg_path} has no model_type: it is not a HF model config.")
+    from transformers import AutoConfig
+
+    from toolkit.compiler import preflight
+    from toolkit.model_loading import _check_hf_dir, check_tokenizer_files
+
+    _check_hf_dir(path)
+    check_tokenizer_files(path)
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ArtifactError(f"cannot read {cfg_path}: {e}") from None
+    preflight(config)
+    return config
+
+
+def _new_temp_dir(out_dir: Path) -> Path:
+    parent = out_dir.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=parent))
+    except OSError as e:
+        raise ArtifactError(f"--out {out_dir}: cannot create a directory in {parent} ({e.strerror}): choose "
+                            "another --out.") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    return tmp
+
+
+def _replace_dir(tmp: Path, out_dir: Path) -> None:
+    """Move the finished export over the target: a rename, with the old target removed after."""
+    old = None
+    if out_dir.exists():
+        if any(out_dir.iterdir()):
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            os.rename(out_dir, old / "dir")
+        else:
+            out_dir.rmdir()
+    os.rename(tmp, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def export_artifacts(
+    model_path: str,
+    out_dir: Path,
+    formats: tuple[str, ...] = ("onnx",),
+    spec: str | dict | KVQuantSpec = "default",
+    pool: PoolRequest | None = None,
+    onnx_weights: str = "fp32",
+    pte_weights: str = "fp32",
+    max_tokens_per_call: int = 64,
+    console: Console | None = None,
+    model_and_tokenizer=None,
+    force: bool = False,
+) -> dict:
+    """Export `model_path` to `out_dir` atomically; returns the manifest. `model_and_tokenizer` skips loading.
+    An existing non-empty `out_dir` is refused unless `force` (then replaced whole)."""
+    console = console or Console(stderr=True)
+    formats = tuple(dict.fromkeys(formats))
+    check_options(formats, onnx_weights, pte_weights, max_tokens_per_call)
+    spec = resolve_spec(spec).validate()
+    pool = (pool or PoolRequest()).check()
+    out_dir = Path(out_dir).expanduser().absolute()
+    check_out_dir(out_dir, force)
+    if model_and_tokenizer is None:
+        config = preflight_model(model_path)
+        if config is not None:  # spec and pool against the model's dims, before the weights load
+            make_layout(config, spec, pool)
+
+    tmp = None
+    try:
+        from toolkit.model_loading import load_model
+
+        model, tokenizer = model_and_tokenizer or load_model(model_path)
+        layout = make_layout(model.config, spec, pool)
+        tmp = _new_temp_dir(out_dir)
+        manifest = _write_all(model, tokenizer, model_path, tmp, formats, spec, layout, onnx_weights, pte_weights,
+                              max_tokens_per_call, console)
+        _replace_dir(tmp, out_dir)
+        tmp = None
+    except OSError as e:  # a full disk or a vanished dir: one line, nothing left behind
+        raise ArtifactError(f"export to {out_dir} failed: {e}; nothing was changed there.") from None
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    for fmt, entry in manifest["artifacts"].items():
+        console.print(f"  wrote {out_dir / entry['file']} ({entry['bytes'] / 2**20:.1f} MiB, {entry['export_seconds']}s)")
+    return manifest
+
+
+def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, onnx_weights, pte_weights,
+               max_tokens_per_call, console) -> dict:
+    """Write every file of the export into `out` (a fresh dir); the manifest last."""
+    from toolkit.compiler import compile, model_dims
+    from toolkit.manifest import check_file_name
+
     dims = model_dims(model.config)
     say = lambda msg: console.print(f"[dim]  {msg}[/]")  # noqa: E731
-
     tok_files = []
     if tokenizer is not None:
-        tok_files = [Path(p).name for p in tokenizer.save_pretrained(out_dir) if Path(p).exists()]
-    update_manifest(
-        out_dir,
-        model={
-            "name": str(model_path),
-            "model_type": model.config.model_type,
-            "num_layers": dims.num_layers,
-            "num_heads": dims.num_heads,
-            "num_kv_heads": dims.num_kv_heads,
-            "head_dim": dims.head_dim,
-            "vocab_size": dims.vocab_size,
-            "eos_token_ids": _eos_ids(model, tokenizer),
-        },
-        pool=layout.to_dict(),
-        tokenizer_files=tok_files,
-    )
+        tok_files = sorted({Path(p).name for p in tokenizer.save_pretrained(out) if Path(p).is_file()})
+    for name in tok_files:
+        check_file_name(name, "tokenizer file")
     artifacts = {}
     for fmt in formats:  # onnx before pte: 8da4w quantizes the weights in place
         t0 = time.time()
@@ -128,21 +255,39 @@ def export_artifacts(
             if fmt == "onnx":
                 from export.onnx_export import export_onnx
 
-                entry = export_onnx(paged, out_dir / "model.onnx", progress=say)
-                if onnx_weights == "int4":
+                entry = export_onnx(paged, out / "model.onnx", progress=say)
+                if onnx_weights in ("int4", "int4-e4"):
                     from export.onnx_export import quantize_weights_int4
 
-                    say("quantizing MatMul weights to int4 (MatMulNBits)")
-                    quantize_weights_int4(out_dir / "model.onnx")
+                    say("quantizing MatMul weights to int4 (MatMulNBits)" +
+                        (" and the embedding (GatherBlockQuantized)" if onnx_weights == "int4-e4" else ""))
+                    quantize_weights_int4(out / "model.onnx", embedding=onnx_weights == "int4-e4")
                 entry["weights"] = onnx_weights
             else:
                 from export.executorch_export import export_pte
 
-                entry = export_pte(paged, out_dir / "model.pte", weights=pte_weights,
+                entry = export_pte(paged, out / "model.pte", weights=pte_weights,
                                    max_tokens=max_tokens_per_call, progress=say)
-        entry["sha256"] = sha256_file(out_dir / entry["file"])
+        entry["sha256"] = sha256_file(out / entry["file"])
         entry["export_seconds"] = round(time.time() - t0, 1)
-        entry["bytes"] = (out_dir / entry["file"]).stat().st_size
+        entry["bytes"] = (out / entry["file"]).stat().st_size
         artifacts[fmt] = entry
-        console.print(f"  wrote {out_dir / entry['file']} ({entry['bytes'] / 2**20:.1f} MiB, {entry['export_seconds']}s)")
-    return update_manifest(out_dir, artifacts=artifacts)
+    manifest = {
+        "model": {
+            "name": str(model_path),
+            "model_type": model.config.model_type,
+            "num_layers": dims.num_layers,
+            "num_heads": dims.num_heads,
+            "num_kv_heads": dims.num_kv_heads,
+            "head_dim": dims.head_dim,
+            "vocab_size": dims.vocab_size,
+            "eos_token_ids": _eos_ids(model, tokenizer),
+        },
+        "pool": layout.to_dict(),
+        "artifacts": artifacts,
+        "tokenizer_files": tok_files,
+    }
+    write_manifest(out, manifest)
+    from toolkit.manifest import read_manifest
+
+    return read_manifest(out, require=("model", "pool"))

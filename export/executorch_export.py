@@ -12,6 +12,7 @@ scheme ExecuTorch's own LLM export uses; XNNPACK runs it).
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch
 
 from toolkit.compiler import PagedModel
 from toolkit.errors import PagedKVError
+from toolkit.manifest import PTE_POOL_METHOD, pool_identity
 
 POOL_BUFFER_PREFIXES = ("codes_", "scales_", "stage_")
 
@@ -108,7 +110,10 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
     if progress:
         progress(f"torch.export done in {time.time() - t0:.0f}s; lowering to XNNPACK")
     t0 = time.time()
-    edge = to_edge_transform_and_lower(exported, partitioner=[_partitioner()])
+    # what the program bakes in about its pool, as a constant method the runtime compares with the manifest
+    identity = json.dumps(pool_identity(layout)).encode("utf-8")
+    edge = to_edge_transform_and_lower(exported, partitioner=[_partitioner()], constant_methods={
+        PTE_POOL_METHOD: torch.tensor(list(identity), dtype=torch.uint8)})
     if progress:
         progress(f"lowered in {time.time() - t0:.0f}s; planning memory")
     arenas = PoolArenas(layout.num_layers, layers_per_arena)

@@ -10,6 +10,7 @@ The per-layer values (scale, window, softcap) reach the function through attribu
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from onnx import helper
 
 from toolkit.compiler import FunctionalPagedModel, PagedModel
 from toolkit.errors import SpecError
+from toolkit.manifest import ONNX_POOL_KEY, pool_identity
 from toolkit.paged_attention import SCALAR_ARG_NAMES, reference_paged_attention
 from toolkit.pool_layout import PoolLayout
 
@@ -185,6 +187,8 @@ def export_onnx(paged: PagedModel, path: Path, progress=None) -> dict:
             model.opset_import.append(imp)
     if DOMAIN not in {o.domain for o in model.opset_import}:
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    # what the graph bakes in about its pool, checked against the manifest when it is loaded
+    model.metadata_props.add(key=ONNX_POOL_KEY, value=json.dumps(pool_identity(layout)))
     path = Path(path)
     onnx.save_model(model, str(path))
     return {"file": path.name, "inputs": inputs, "outputs": outputs}

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from toolkit.errors import KernelLibraryMissing, PagedKVError
+from toolkit.errors import ArtifactError, KernelLibraryMissing, PagedKVError
 
 if TYPE_CHECKING:  # torch (and transformers) only where a backend needs them: not for onnxruntime
     from toolkit.compiler import PagedModel
@@ -73,7 +73,7 @@ class OrtBackend:
     name = "onnxruntime"
 
     def __init__(self, onnx_path, layout, inputs: list[str], outputs: list[str], native: bool | None = None,
-                 threads: int = 0):
+                 threads: int = 0, manifest_layout=None):
         import onnxruntime as ort
 
         self.layout = layout
@@ -94,7 +94,21 @@ class OrtBackend:
         if native:
             so.register_custom_ops_library(str(native_lib.ort_library_path()))
             self.native = True
-        self.session = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        try:
+            self.session = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph types on a damaged file
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ArtifactError(f"onnxruntime cannot load {onnx_path} ({msg[:200]}): re-run `pagedkv export`.") from None
+        # the graph against the manifest: its inputs, pool shapes/dtypes and baked-in pool identity
+        from toolkit.manifest import ONNX_POOL_KEY, check_graph_pool
+
+        check_graph_pool(
+            str(onnx_path), manifest_layout or layout, inputs,
+            [(i.name, list(i.shape), i.type) for i in self.session.get_inputs()],
+            self.session.get_modelmeta().custom_metadata_map.get(ONNX_POOL_KEY),
+        )
+        if [o.name for o in self.session.get_outputs()] != list(outputs):
+            raise ArtifactError(f"{onnx_path}: the graph's outputs are not the manifest's: re-run `pagedkv export`.")
         if self.native:  # 0: onnxruntime's default (one thread per physical core)
             self.kernel_threads = threads or None
         self.inputs, self.outputs = inputs, outputs
@@ -124,6 +138,22 @@ class OrtBackend:
     copy_stage = copy_pool_stage
 
 
+def check_pte_pool(module, where: str, layout) -> None:
+    """The .pte carries its pool identity as a constant method (export/executorch_export.py): compare it
+    with the manifest's pool, the way OrtBackend compares the ONNX graph's metadata."""
+    import json
+
+    from toolkit.manifest import PTE_POOL_METHOD, pool_identity
+
+    if PTE_POOL_METHOD not in module.method_names():
+        raise ArtifactError(f"{where} carries no pool description ({PTE_POOL_METHOD}): it was not made by this "
+                            "`pagedkv export`; re-run it.")
+    got = bytes(module.run_method(PTE_POOL_METHOD, ())[0].numpy().tobytes()).decode("utf-8", "replace")
+    from toolkit.manifest import check_identity
+
+    check_identity(where, pool_identity(layout), got)
+
+
 class ExecuTorchBackend:
     """The exported .pte on the ExecuTorch runtime (portable_lib) with the pagedkv kernel library.
 
@@ -151,7 +181,11 @@ class ExecuTorchBackend:
 
         self.layout = layout
         self.max_tokens = int(entry.get("max_tokens_per_call", 64))
-        self.module = portable_lib._load_for_executorch(str(pte_path))
+        try:
+            self.module = portable_lib._load_for_executorch(str(pte_path))
+        except Exception as e:  # the runtime raises RuntimeError with its own error code on a damaged file
+            raise ArtifactError(f"ExecuTorch cannot load {pte_path} ({str(e)[:200]}): re-run `pagedkv export`.") from None
+        check_pte_pool(self.module, str(pte_path), layout)
         self._pools = None  # numpy views of the program's pool buffers, known after the first step
 
     def forward(self, ids, positions, seq_ids, tables) -> np.ndarray:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from runtime_sim.engine import Engine, Sampling
-from toolkit.errors import PagedKVError
+from toolkit.errors import PagedKVError, PoolExhausted
 
 
 class ChatSession:
@@ -39,15 +39,55 @@ class ChatSession:
         self._reset_messages()
 
     def send(self, text: str, max_new_tokens: int = 128, sampling: Sampling | None = None) -> Iterator[str]:
+        """Stream the reply to `text`. A turn that fails (pool exhausted, a template that rejects the
+        conversation, ...) is rolled back: the message leaves the history and the cache holds nothing
+        of it, so later turns are unaffected. A turn interrupted by Ctrl-C (KeyboardInterrupt) keeps
+        the message and the reply so far."""
+        conv = self.engine.conversations[self.cid]
+        before = (list(conv.history), list(conv.pending), conv.seq)
+        n_messages = len(self.messages)
         self.messages.append({"role": "user", "content": text})
+        out: list[int] = []
+        try:
+            yield from self._turn(max_new_tokens, sampling, out)
+        except KeyboardInterrupt:
+            self._drop_cache_if_changed(before)
+            reply = self.engine.tokenizer.decode(out, skip_special_tokens=True)
+            self.messages.append({"role": "assistant", "content": reply})
+            raise
+        except BaseException:
+            del self.messages[n_messages:]
+            self._drop_cache_if_changed(before)
+            raise
+
+    def _drop_cache_if_changed(self, before) -> None:
+        """After a failed or interrupted turn the cache may hold part of it (or a step may have stopped
+        half-way): release it; the next turn prefills the conversation again from its messages."""
+        conv = self.engine.conversations[self.cid]
+        if (conv.history, conv.pending, conv.seq) != before:
+            self.engine.clear(self.cid)
+
+    def _check_room_to_restart(self, n_tokens: int) -> None:
+        """With the 'error' policy, refuse a restart that cannot fit before dropping the cache it would
+        replace (so a failed turn leaves the pool as it was)."""
+        if self.engine.policy != "error":
+            return
+        pool = self.engine.pool
+        seq = self.engine.conversations[self.cid].seq
+        have = pool.num_free_blocks + sum(b >= 0 for b in pool.block_table(seq))
+        need = -(-n_tokens // pool.block_size)
+        if need > have:
+            raise PoolExhausted(need, have, f"the whole conversation ({n_tokens} tokens)")
+
+    def _turn(self, max_new_tokens: int, sampling: Sampling | None, out: list[int]) -> Iterator[str]:
         ids = self._render()
         conv = self.engine.conversations[self.cid]
         held = conv.history + conv.pending
         if ids[: len(held)] != held:  # template re-rendered differently: start the cache over
+            self._check_room_to_restart(len(ids))
             self.engine.clear(self.cid)
             held = []
         new = ids[len(held):]
-        out: list[int] = []
         shown = ""
         tok = self.engine.tokenizer
         for t in self.engine.generate(self.cid, new, max_new_tokens, sampling, self.engine.stop_ids):

@@ -46,7 +46,7 @@ def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
     if s.temperature <= 0:
         return int(np.argmax(logits))
     z = logits.astype(np.float64) / s.temperature
-    if s.top_k > 0:
+    if 0 < s.top_k < len(z):  # top_k >= the vocabulary keeps every token
         kth = np.partition(z, -s.top_k)[-s.top_k]
         z = np.where(z < kth, -np.inf, z)
     p = np.exp(z - z.max())

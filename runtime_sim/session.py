@@ -8,23 +8,31 @@ laid out exactly as the manifest says, and loads the tokenizer saved next to the
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import replace
 from pathlib import Path
 
-from export.manifest import layout_from_manifest, read_manifest, verify_artifact
-from runtime_sim.engine import Engine
-from toolkit.errors import PagedKVError
+from toolkit.manifest import layout_from_manifest, read_manifest, verify_artifact
+from runtime_sim.engine import POLICIES, Engine
+from toolkit.errors import ArtifactError, PagedKVError
 from toolkit.pool_layout import PoolLayout
 
 BACKENDS = ("onnxruntime", "executorch", "torch")
 
 
 def load_tokenizer(art_dir: Path, manifest: dict):
-    if not manifest.get("tokenizer_files"):
+    names = manifest.get("tokenizer_files") or []
+    if not names:
         return None
     from runtime_sim.tokenizer import ArtifactTokenizer
+    from toolkit.manifest import artifact_path
 
-    return ArtifactTokenizer(art_dir)
+    missing = [n for n in names if not artifact_path(art_dir, n, "tokenizer file").is_file()]
+    if missing:
+        raise ArtifactError(f"{art_dir} lacks the tokenizer file(s) {', '.join(missing)} its manifest lists: "
+                            "re-run `pagedkv export`.")
+    return ArtifactTokenizer(art_dir, names)
 
 
 def available_ram_bytes() -> int:
@@ -41,7 +49,9 @@ def sized_layout(layout: PoolLayout, pool_mb: float | None, pool_fraction: float
         return layout
     if pool_mb is not None and pool_fraction is not None:
         raise PagedKVError("give either --pool-mb or --pool-fraction, not both.")
-    if pool_fraction is not None and not 0 < pool_fraction <= 1:
+    if pool_mb is not None and not (math.isfinite(pool_mb) and pool_mb > 0):
+        raise PagedKVError(f"--pool-mb {pool_mb}: give a positive, finite size in MiB.")
+    if pool_fraction is not None and not (math.isfinite(pool_fraction) and 0 < pool_fraction <= 1):
         raise PagedKVError(f"--pool-fraction {pool_fraction} must be in (0, 1].")
     budget = pool_mb * 2**20 if pool_mb is not None else pool_fraction * available_ram_bytes()
     per_block = layout.bytes_per_token * layout.block_size
@@ -55,10 +65,23 @@ def sized_layout(layout: PoolLayout, pool_mb: float | None, pool_fraction: float
     return replace(layout, num_blocks=blocks)
 
 
-def make_backend(art_dir: Path, manifest: dict, backend: str, native: bool | None = None, threads: int = 0,
-                 pool_mb: float | None = None, pool_fraction: float | None = None):
+def check_threads(threads: int) -> int:
+    """0 (the runtime's default) or 1..cores; more than the cores is capped with a note (a huge count
+    makes the runtimes create that many threads and run out of memory)."""
     if threads < 0:
         raise PagedKVError(f"threads={threads}: use a positive thread count, or 0 for the runtime's default.")
+    cores = os.cpu_count() or 1
+    if threads > cores:
+        import sys
+
+        print(f"note: --threads {threads} is more than the {cores} cores here; using {cores}.", file=sys.stderr)
+        return cores
+    return threads
+
+
+def make_backend(art_dir: Path, manifest: dict, backend: str, native: bool | None = None, threads: int = 0,
+                 pool_mb: float | None = None, pool_fraction: float | None = None):
+    threads = check_threads(threads)
     layout = layout_from_manifest(manifest)
     if backend == "executorch" and (pool_mb is not None or pool_fraction is not None):
         raise PagedKVError(
@@ -71,7 +94,8 @@ def make_backend(art_dir: Path, manifest: dict, backend: str, native: bool | Non
 
         path = verify_artifact(art_dir, manifest, "onnx")
         entry = manifest["artifacts"]["onnx"]
-        return OrtBackend(path, layout, entry["inputs"], entry["outputs"], native=native, threads=threads)
+        return OrtBackend(path, layout, entry["inputs"], entry["outputs"], native=native, threads=threads,
+                          manifest_layout=layout_from_manifest(manifest))
     if backend == "executorch":
         from runtime_sim.backends import ExecuTorchBackend
 
@@ -97,7 +121,11 @@ def open_artifacts(art_dir, backend: str = "onnxruntime", native: bool | None = 
                    prefill_chunk: int | None = None, pool_mb: float | None = None,
                    pool_fraction: float | None = None, policy: str = "error") -> Engine:
     art_dir = Path(art_dir)
-    manifest = read_manifest(art_dir)
+    if policy not in POLICIES:
+        raise PagedKVError(f"unknown pool policy '{policy}': use one of {', '.join(POLICIES)}.")
+    if backend not in BACKENDS:
+        raise PagedKVError(f"unknown backend '{backend}': use one of {', '.join(BACKENDS)}.")
+    manifest = read_manifest(art_dir, require=("model", "pool"))
     be = make_backend(art_dir, manifest, backend, native=native, threads=threads, pool_mb=pool_mb,
                       pool_fraction=pool_fraction)
     chunk = prefill_chunk or manifest.get("artifacts", {}).get("pte", {}).get("max_tokens_per_call", 64)

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from export.manifest import write_manifest
+from toolkit.manifest import write_manifest
 from toolkit.deploy import AdbNotFound, NoDeviceError, deploy, deploy_files, pick_device
 from toolkit.errors import ArtifactError, PagedKVError
 

@@ -126,7 +126,7 @@ def test_runner_on_host(host_build, fixtures, tmp_path):
 
 def test_runner_equals_runtime_sim(host_build, fixtures, tmp_path):
     """Same .pte through runtime_sim's engine (ExecuTorch pybindings + the pagedkv kernel library)."""
-    from export.manifest import layout_from_manifest, read_manifest
+    from toolkit.manifest import layout_from_manifest, read_manifest
     from runtime_sim.backends import ExecuTorchBackend
     from runtime_sim.engine import Engine
 

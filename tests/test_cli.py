@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from export.artifacts import PoolRequest, export_artifacts
+from toolkit.manifest import DIGEST_NAME, MANIFEST_NAME, sha256_bytes
 from toolkit.tiny_models import tiny_bpe_tokenizer, tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,6 +37,12 @@ def art(tmp_path_factory):
     return out
 
 
+def reseal(art: Path, data: bytes) -> None:
+    """Write pagedkv.json and a matching pagedkv.json.sha256 (an edit made on purpose, hash and all)."""
+    (art / MANIFEST_NAME).write_bytes(data)
+    (art / DIGEST_NAME).write_text(sha256_bytes(data) + "  pagedkv.json\n")
+
+
 def copy_of(art, tmp_path) -> Path:
     dst = tmp_path / "copy"
     shutil.copytree(art, dst)
@@ -54,7 +61,7 @@ def test_run_json(art, backend):
 
 def test_negative_threads_is_a_clear_error(art):
     proc = pagedkv("run", art, "--prompt", "hi", "--threads", "-2", check=False)
-    assert proc.returncode == 2 and "threads=-2" in proc.stderr and "positive" in proc.stderr
+    assert proc.returncode == 2 and "--threads -2 is out of range" in proc.stderr
 
 
 def test_chat_commands_in_a_subprocess(art):
@@ -97,7 +104,7 @@ def test_wrong_manifest_is_rejected(art, tmp_path, edit, needle):
     bad = copy_of(art, tmp_path)
     m = json.loads((bad / "pagedkv.json").read_text())
     edit(m)
-    (bad / "pagedkv.json").write_text(json.dumps(m))
+    reseal(bad, json.dumps(m).encode())  # past the manifest's own sha256: the deeper checks must hold
     proc = pagedkv("run", bad, "--prompt", "hi", check=False)
     assert proc.returncode == 2 and needle in " ".join(proc.stderr.split()), proc.stderr
 
@@ -123,7 +130,7 @@ def test_export_rejects_bad_spec_and_block_size(tmp_path):
     tiny_model("llama").save_pretrained(d)
     lines = [ln for ln in WIKI.read_text(encoding="utf-8").splitlines() if ln.strip()][:200]
     tiny_bpe_tokenizer(lines).save_pretrained(d)
-    proc = pagedkv("export", d, "--out", tmp_path / "o", "--group", "48", check=False)
+    proc = pagedkv("export", d, "--out", tmp_path / "o", "--spec", "default:k_group=48,v_group=48", check=False)
     assert proc.returncode == 2 and "does not divide head_dim=64" in " ".join(proc.stderr.split())
     proc = pagedkv("export", d, "--out", tmp_path / "o", "--block-size", "0", check=False)
     assert proc.returncode == 2 and "block size 0 is invalid" in " ".join(proc.stderr.split())

@@ -45,6 +45,76 @@ def friendly_errors(fn):
     return wrapper
 
 
+# ----------------------------------------------------------------------------------------------
+# Option checks: plain Python, run before anything heavy is imported (so a typo fails at once)
+
+
+def _bad(msg: str):
+    raise PagedKVError(msg)
+
+
+def check_number(name: str, value, lo=None, hi=None, lo_open: bool = False, what: str = ""):
+    """value must be finite and within [lo, hi] ((lo, hi] when lo_open); None passes (option not given)."""
+    import math
+
+    if value is None:
+        return value
+    if isinstance(value, float) and not math.isfinite(value):
+        _bad(f"{name} {value}: give a finite number{what}.")
+    low_ok = lo is None or (value > lo if lo_open else value >= lo)
+    if not low_ok or (hi is not None and value > hi):
+        rng = f"{'(' if lo_open else '['}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        _bad(f"{name} {value} is out of range: give a value in {rng}{what}.")
+    return value
+
+
+def check_text(name: str, text: str) -> str:
+    """Command-line text arrives with undecodable bytes as surrogates: refuse them with one line."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        _bad(f"{name} is not valid UTF-8 (at character {e.start}): pass UTF-8 text.")
+    return text
+
+
+def check_sampling_options(max_new_tokens, temperature, top_k, top_p, seed):
+    check_number("--max-new-tokens", max_new_tokens, 1, 1_000_000)
+    check_number("--temperature", temperature, 0, 100, what=" (0 = greedy)")
+    check_number("--top-k", top_k, 0, 10_000_000, what=" (0 = off)")
+    check_number("--top-p", top_p, 0, 1, lo_open=True, what=" (1 = off)")
+    check_number("--seed", seed, 0, 2**63 - 1)
+
+
+def check_runtime_options(pool_mb, pool_fraction, threads, policy, backend):
+    check_number("--pool-mb", pool_mb, 0, 2**20, lo_open=True)
+    check_number("--pool-fraction", pool_fraction, 0, 1, lo_open=True)
+    check_number("--threads", threads, 0, None, what=" (0 = the runtime's default)")
+    if policy not in ("error", "evict", "sliding"):
+        _bad(f"unknown pool policy '{policy}': use error, evict or sliding.")
+    if backend not in ("onnxruntime", "executorch", "torch"):
+        _bad(f"unknown backend '{backend}': use onnxruntime, executorch or torch.")
+
+
+def check_output_file(name: str, path: Path, suffixes: tuple[str, ...] = ()) -> Path:
+    """An output file we will write later: its directory must exist and be writable now."""
+    import tempfile
+
+    path = Path(path).expanduser()
+    if suffixes and path.suffix.lower() not in suffixes:
+        _bad(f"{name} {path}: the file name must end in {', '.join(suffixes)}.")
+    if path.is_dir():
+        _bad(f"{name} {path} is a directory: give a file name.")
+    parent = path.parent
+    if not parent.is_dir():
+        _bad(f"{name} {path}: directory {parent} does not exist: create it or choose another path.")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".pagedkv-probe-"):
+            pass
+    except OSError as e:
+        _bad(f"{name} {path}: cannot write in {parent} ({e.strerror}): choose another path.")
+    return path
+
+
 @app.command()
 @friendly_errors
 def specs():
@@ -73,8 +143,16 @@ def eval_(
     ),
     block_size: int = typer.Option(16, "--block-size", help="Pool block size (16 or 32)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of a table."),
+    bos: Optional[bool] = typer.Option(None, "--bos/--no-bos", help="BOS as every window's first token, as "
+                                       "llama.cpp's perplexity does. Default: when the tokenizer adds one (Gemma)."),
 ):
     """Fidelity of KV specs vs the unquantized pool: PPL, KL divergence, top-1 agreement (teacher-forced)."""
+    check_number("--ctx", ctx, 2, 1 << 20)
+    check_number("--windows", windows, 1, 1 << 20)
+    from toolkit.kv_spec import resolve_spec
+
+    for item in spec or []:
+        resolve_spec(item).validate()
     import json
     from pathlib import Path
 
@@ -90,30 +168,16 @@ def eval_(
     except (OSError, UnicodeDecodeError) as e:
         raise ArtifactError(f"cannot read {text} as UTF-8 text: {e}") from e
     hf_model, tokenizer = load_model(model)
-    result = evaluate(hf_model, tokenizer, content, ctx, list(spec or DEFAULT_SPECS), windows, block_size, model_name=model)
+    result = evaluate(hf_model, tokenizer, content, ctx, list(spec or DEFAULT_SPECS), windows, block_size, model_name=model,
+                      bos=bos)
     if as_json:
         print(json.dumps(result))
     else:
         Console().print(rich_table(result, f"{model}: ctx {ctx}, {windows} window(s), reference fp32 pool"))
 
 
-SPEC_HELP = "KV spec preset (see `pagedkv specs`): default, best, k4v4, fp16, fp32, q8_0-q4_0, et-int8."
-
-
-def _spec_from_options(spec: str, k_bits, v_bits, group, rotate):
-    from toolkit.quant import resolve_spec
-
-    s = resolve_spec(spec)
-    changes = {}
-    if k_bits is not None:
-        changes["k_bits"] = k_bits
-    if v_bits is not None:
-        changes["v_bits"] = v_bits
-    if group is not None:
-        changes.update(k_group=group, v_group=group)
-    if rotate is not None:
-        changes["rotate"] = rotate
-    return s.replace(**changes) if changes else s
+SPEC_HELP = ("KV spec: a preset (see `pagedkv specs`: default, best, k4v4, k5v4, fp16, fp32, q8_0-q4_0, et-int8) "
+             "or a preset with field overrides, e.g. default:k_bits=6,v_group=16,rotate=false.")
 
 
 @app.command("export")
@@ -123,10 +187,6 @@ def export_cmd(
     out: Path = typer.Option(Path("artifacts/smollm2"), "--out", "-o", help="Artifacts directory to write."),
     format: str = typer.Option("onnx", "--format", "-f", help="onnx, pte or all."),
     spec: str = typer.Option("default", help=SPEC_HELP),
-    k_bits: Optional[int] = typer.Option(None, help="Override the spec's K bits (2..8, or 16/32 with --v-bits)."),
-    v_bits: Optional[int] = typer.Option(None, help="Override the spec's V bits."),
-    group: Optional[int] = typer.Option(None, help="Override K and V group size (must divide head_dim)."),
-    rotate: Optional[bool] = typer.Option(None, "--rotate/--no-rotate", help="Hadamard rotation of K/Q and V."),
     block_size: int = typer.Option(16, help="Tokens per block: 16 or 32."),
     pool_tokens: Optional[int] = typer.Option(None, help="Pool capacity in tokens (default 2048)."),
     pool_mb: Optional[float] = typer.Option(None, help="Pool size in MiB (instead of --pool-tokens)."),
@@ -134,15 +194,23 @@ def export_cmd(
     onnx_weights: str = typer.Option("fp32", help="ONNX weights: fp32 or int4 (MatMulNBits)."),
     pte_weights: str = typer.Option("fp32", help="ExecuTorch weights: fp32 or 8da4w (torchao, XNNPACK)."),
     max_tokens_per_call: int = typer.Option(64, help="Largest prefill chunk the .pte accepts."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing non-empty --out dir (whole, never merged)."),
 ):
-    """Compile MODEL's attention to the paged op and export it (ONNX and/or ExecuTorch .pte)."""
-    from export.artifacts import PoolRequest, export_artifacts
+    """Compile MODEL's attention to the paged op and export it (ONNX and/or ExecuTorch .pte).
+    The export is written next to --out and moved there only when it is complete."""
+    from export.artifacts import PoolRequest, check_options, check_out_dir, export_artifacts
+    from toolkit.kv_spec import resolve_spec
 
+    if format not in ("onnx", "pte", "all"):
+        _bad(f"unknown format '{format}': use onnx, pte or all.")
     formats = ("onnx", "pte") if format == "all" else (format,)
-    s = _spec_from_options(spec, k_bits, v_bits, group, rotate)
+    check_options(formats, onnx_weights, pte_weights, max_tokens_per_call)
+    s = resolve_spec(spec).validate()
+    req = PoolRequest(pool_tokens, pool_mb, max_seqs, block_size).check()
+    check_out_dir(Path(out).expanduser().absolute(), force)
     man = export_artifacts(
-        model, out, formats, s, PoolRequest(pool_tokens, pool_mb, max_seqs, block_size),
-        onnx_weights=onnx_weights, pte_weights=pte_weights, max_tokens_per_call=max_tokens_per_call,
+        model, out, formats, s, req, onnx_weights=onnx_weights, pte_weights=pte_weights,
+        max_tokens_per_call=max_tokens_per_call, force=force,
     )
     pool = man["pool"]
     console.print(
@@ -180,6 +248,9 @@ def run(
                                 "ExecuTorch's threadpool / torch), which the attention kernel shares; 0 = its default."),
 ):
     """Answer one prompt with the exported model, streaming the text, then print pool stats."""
+    check_text("--prompt", prompt)
+    check_sampling_options(max_new_tokens, temperature, top_k, top_p, seed)
+    check_runtime_options(pool_mb, pool_fraction, threads, policy, backend)
     import json as _json
 
     from runtime_sim.chat import ChatSession
@@ -228,7 +299,12 @@ def chat(
     threads: int = typer.Option(0, "--threads", "-t", help="Threads of the runtime (onnxruntime's intra-op pool / "
                                 "ExecuTorch's threadpool / torch), which the attention kernel shares; 0 = its default."),
 ):
-    """Interactive chat. Commands: /clear (free this chat's blocks), /stats, /new (another chat), /quit."""
+    """Interactive chat. Commands: /clear (free this chat's blocks), /stats, /new (another chat), /help, /quit.
+    Ctrl-C stops the reply being written; a turn that fails leaves the conversation as it was."""
+    if system is not None:
+        check_text("--system", system)
+    check_sampling_options(max_new_tokens, temperature, top_k, top_p, seed)
+    check_runtime_options(pool_mb, pool_fraction, threads, policy, backend)
     from runtime_sim.chat import ChatSession
     from runtime_sim.session import open_artifacts
 
@@ -237,41 +313,61 @@ def chat(
     sessions = [ChatSession(engine, system)]
     cur = sessions[0]
     sampling = _sampling(temperature, top_k, top_p, seed)
-    console.print("[dim]type a message; /clear /stats /new /quit[/]")
+    console.print(f"[dim]type a message; {CHAT_HELP}[/]")
     while True:
         try:
             line = input("> ")
         except EOFError:
             break
+        except KeyboardInterrupt:  # Ctrl-C at the prompt leaves, as at a shell
+            print()
+            break
+        except UnicodeDecodeError as e:
+            console.print(f"[red]that line is not valid UTF-8 (byte {e.start}): type UTF-8 text.[/]")
+            continue
         line = line.strip()
         if not line:
             continue
-        if line == "/quit":
-            break
-        if line == "/clear":
-            cur.clear()
-            print("[cleared]")
+        try:
+            check_text("the message", line)
+        except PagedKVError as e:
+            console.print(f"[red]{e}[/]")
             continue
-        if line == "/stats":
-            _print_stats(engine.stats())
-            continue
-        if line == "/new":
-            try:
-                cur = ChatSession(engine, system)
-            except PagedKVError as e:
-                console.print(f"[red]{e}[/]")
-                continue
-            sessions.append(cur)
-            print(f"[conversation {len(sessions)}]")
+        if line.startswith("/"):
+            if line == "/quit":
+                break
+            if line == "/clear":
+                cur.clear()
+                print("[cleared]")
+            elif line == "/stats":
+                _print_stats(engine.stats())
+            elif line == "/new":
+                try:
+                    cur = ChatSession(engine, system)
+                except PagedKVError as e:
+                    console.print(f"[red]{e}[/]")
+                    continue
+                sessions.append(cur)
+                print(f"[conversation {len(sessions)}]")
+            else:
+                if line != "/help":
+                    console.print(f"[red]unknown command {line.split()[0]}[/]")
+                console.print(CHAT_HELP)
             continue
         try:
             for piece in cur.send(line, max_new_tokens, sampling):
                 print(piece, end="", flush=True)
             print()
+        except KeyboardInterrupt:
+            print()
+            console.print("[dim][stopped][/]")
         except PagedKVError as e:
             print()
-            console.print(f"[red]{e}[/]")
+            console.print(f"[red]{e}[/] [dim](the message was not kept)[/]")
 
+
+CHAT_HELP = ("/clear (forget this chat, free its blocks)  /stats (pool use)  /new (another chat)  /help  /quit; "
+             "Ctrl-C stops a reply")
 
 
 @app.command("plan")
@@ -292,6 +388,8 @@ def plan_cmd(
 ):
     """Tokens of KV cache that fit in a RAM budget per spec, and the allocations a paged pool needs vs a
     contiguous fp16 cache."""
+    check_number("--max-seqs", max_seqs, 1, 1 << 16)
+    check_number("--ctx", ctx, 1, 1 << 24)
     import json
 
     from runtime_sim.plan import parse_size, plan as make_plan, rich_table
@@ -328,6 +426,15 @@ def simulate_cmd(
 ):
     """Phone-memory simulation: contiguous fp16 vs paged fp16 vs paged quantized KV on one chat trace and
     fragmented RAM."""
+    check_number("--fragmentation", fragmentation, 0, 1)
+    check_number("--pool-mb", pool_mb, 0, 2**20, lo_open=True)
+    check_number("--ctx", ctx, 1, 1 << 24)
+    check_number("--chats", chats, 1, 1 << 12)
+    check_number("--turns", turns, 1, 1 << 24)
+    check_number("--app-churn", app_churn, 0, 1000)
+    check_number("--seed", seed, 0, 2**63 - 1)
+    if not no_plot:  # before the simulation, not after it
+        plot = check_output_file("--plot", plot, (".png", ".svg", ".pdf", ".jpg", ".jpeg"))
     import json
 
     from runtime_sim.plan import parse_size

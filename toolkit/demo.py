@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from export.artifacts import PoolRequest, export_artifacts
-from export.manifest import read_manifest
+from toolkit.manifest import read_manifest
 from runtime_sim.chat import ChatSession
 from runtime_sim.session import open_artifacts
 from toolkit.errors import PagedKVError
@@ -39,7 +39,8 @@ def main() -> int:
     err = Console(stderr=True)
     if not _artifacts_ready():
         err.print(f"[bold]exporting SmolLM2-135M-Instruct to {ART_DIR} (first run only)[/]")
-        export_artifacts("smollm2", ART_DIR, ("onnx",), "default", PoolRequest(pool_tokens=POOL_TOKENS, max_seqs=4))
+        export_artifacts("smollm2", ART_DIR, ("onnx",), "default", PoolRequest(pool_tokens=POOL_TOKENS, max_seqs=4),
+                         force=True)
     engine = open_artifacts(ART_DIR, "onnxruntime")
     be = engine.backend
     out.print(f"[bold]backend[/]: onnxruntime ({'native kernel' if be.native else 'standard-op fallback'}), "

@@ -16,7 +16,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from export.manifest import MANIFEST_NAME, read_manifest
+from toolkit.manifest import MANIFEST_NAME, read_manifest
 from toolkit.errors import ArtifactError, PagedKVError
 
 DEFAULT_PACKAGE = "org.pagedkv.demo"

@@ -21,7 +21,6 @@ A spec is a preset name ("default", "q8_0-q4_0", ...) or a preset with field ove
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 
 import torch
@@ -38,33 +37,13 @@ DEFAULT_SPECS = ["fp16", "q8_0-q4_0", "et-int8", "default", "best", "k4v4", "k5v
 
 
 def parse_spec(text: str | KVQuantSpec | tuple) -> tuple[str, KVQuantSpec]:
-    """'default' | 'default:v_group=16,v_sym=true' | (name, KVQuantSpec) | KVQuantSpec -> (row name, spec)."""
+    """'default' | 'default:v_group=16,v_sym=true' | (name, KVQuantSpec) | KVQuantSpec -> (row name, spec).
+    The text is parsed by toolkit.kv_spec.resolve_spec (the one spec parser)."""
     if isinstance(text, tuple):
         return text[0], text[1]
     if isinstance(text, KVQuantSpec):
         return text.describe(), text
-    base, _, overrides = text.partition(":")
-    spec = resolve_spec(base.strip())
-    if not overrides:
-        return text, spec
-    fields = {f.name: f.type for f in dataclasses.fields(KVQuantSpec)}
-    changes = {}
-    for item in overrides.split(","):
-        key, eq, value = (s.strip() for s in item.partition("="))
-        if key not in fields or not eq:
-            raise SpecError(
-                f"bad spec override '{item}' in '{text}': write FIELD=VALUE with FIELD one of {', '.join(fields)}."
-            )
-        if fields[key] in (bool, "bool"):
-            if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise SpecError(f"spec override {key}={value}: use true or false.")
-            changes[key] = value.lower() in ("1", "true", "yes")
-        else:
-            try:
-                changes[key] = int(value)
-            except ValueError:
-                raise SpecError(f"spec override {key}={value}: expected an integer.") from None
-    return text, spec.replace(**changes)
+    return text, resolve_spec(text)
 
 
 # ----------------------------------------------------------------------------------------------

