@@ -42,6 +42,7 @@ from runtime_sim.plan import (
 )
 from toolkit.block_pool import BlockPool
 from toolkit.errors import PoolExhausted, SpecError
+from toolkit.pool_layout import check_block_size
 from toolkit.fidelity import parse_spec
 from toolkit.quant import bytes_per_token, fp16_bytes_per_token
 
@@ -244,8 +245,7 @@ class SimConfig:
             raise SpecError(f"--chats {self.chats}: allow at least one conversation.")
         if self.ctx < 64:
             raise SpecError(f"--ctx {self.ctx}: the maximum context must be at least 64 tokens.")
-        if self.block_size not in (16, 32):
-            raise SpecError(f"block size {self.block_size} is invalid: use 16 or 32 tokens per block.")
+        check_block_size(self.block_size)
         if self.app_churn < 0:
             raise SpecError(f"--app-churn {self.app_churn}: use a rate >= 0 (events per turn).")
         self.free_bytes()

@@ -31,8 +31,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from toolkit.errors import PagedKVError, PoolExhausted, PoolStateError, SpecError
+from toolkit.pool_layout import check_block_size
 
-SUPPORTED_BLOCK_SIZES = (16, 32)
 HOLE = -1  # block-table entry for a block dropped by drop_blocks
 _ROOT_HASH = 0  # "previous hash" of a sequence's first block
 
@@ -60,8 +60,7 @@ class BlockPool:
     """Block tables, refcounts, free list, sequence slots and the prefix cache of a KV pool."""
 
     def __init__(self, num_blocks: int, block_size: int, max_seqs: int):
-        if block_size not in SUPPORTED_BLOCK_SIZES:
-            raise SpecError(f"block size {block_size!r} is invalid: use 16 or 32")
+        check_block_size(block_size)
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise SpecError(f"num_blocks {num_blocks!r} is invalid: the pool needs at least 1 block")
         if not isinstance(max_seqs, int) or max_seqs < 1:

@@ -26,7 +26,7 @@ from toolkit.kv_spec import KVQuantSpec, bytes_per_token, fp_stage_bytes_per_seq
 # element sizes of the pool's dtypes (by name: no torch import for the runtimes that do not need it)
 ELEMENT_BYTES = {"uint8": 1, "float16": 2, "float32": 4}
 
-VALID_BLOCK_SIZES = (16, 32)
+VALID_BLOCK_SIZES = (16, 32)  # the one list (the native runner checks the same two)
 
 # Pool tensors start on a cache line: numpy's large allocations start 16 bytes past one, and then every
 # 64-byte row load of a record straddles two lines (the core bench's 16K step with BENCH_POOL_OFFSET=16
@@ -48,7 +48,7 @@ def zeros_aligned(shape: tuple, dtype, align: int = POOL_ALIGN):
 
 def check_block_size(block_size: int) -> None:
     if block_size not in VALID_BLOCK_SIZES:
-        raise SpecError(f"block size {block_size} is invalid: use 16 or 32 tokens per block.")
+        raise SpecError(f"block size {block_size!r} is invalid: use 16 or 32 tokens per block.")
 
 
 @dataclass(frozen=True)
