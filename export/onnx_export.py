@@ -140,9 +140,13 @@ def _translate_op(q, k, v, codes, scales, stage, positions, seq_ids, block_table
     )
 
 
-def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+def io_names(num_layers: int, num_groups: int = 1) -> tuple[list[str], list[str]]:
+    """Graph inputs: ids, positions, seq_ids, one block table per layer group (block_tables,
+    block_tables_1, ...; only the first for a model without sliding layers), then the pools."""
+    from toolkit.compiler import group_table_names
+
     pools = [f"{kind}_{i}" for i in range(num_layers) for kind in ("codes", "scales", "stage")]
-    inputs = ["input_ids", "positions", "seq_ids", "block_tables"] + pools
+    inputs = ["input_ids", "positions", "seq_ids"] + group_table_names(range(num_groups)) + pools
     outputs = ["logits"] + [f"{p}_out" for p in pools]
     return inputs, outputs
 
@@ -155,15 +159,17 @@ def export_onnx(paged: PagedModel, path: Path, progress=None) -> dict:
         raise SpecError(f"a pool of {layout.num_blocks} block cannot be exported: use at least 2 blocks.")
     fmodel = FunctionalPagedModel(paged).eval()
     t, m = torch.export.Dim("T", min=1), torch.export.Dim("M", min=1)
-    nb = torch.export.Dim("NB", min=2)
+    groups = paged.groups
+    # the number of blocks stays dynamic so a runtime can size its pool; one dim per layer group
+    # (groups' pools differ in size); "NB" alone for a model without sliding layers
+    nbs = [torch.export.Dim("NB" if g == 0 else f"NB{g}", min=2) for g in range(len(groups))]
     pools = [x for trio in paged.pool_tensors() for x in trio]
-    example = (
-        torch.zeros(1, 3, dtype=torch.int64), torch.arange(3), torch.zeros(3, dtype=torch.int64),
-        torch.zeros(layout.max_seqs, 2, dtype=torch.int64), *pools,
-    )
-    # *pools is one varargs entry; the number of blocks stays dynamic so a runtime can size its pool
-    dyn = ({1: t}, {0: t}, {0: t}, {1: m}, tuple(_pool_dims(layout, nb) * layout.num_layers))
-    inputs, outputs = io_names(layout.num_layers)
+    tables = [torch.zeros(layout.max_seqs, 2, dtype=torch.int64) for _ in groups]
+    example = (torch.zeros(1, 3, dtype=torch.int64), torch.arange(3), torch.zeros(3, dtype=torch.int64), *tables, *pools)
+    # the extra tables and *pools are one varargs entry
+    pool_dims = [d for i in range(layout.num_layers) for d in _pool_dims(layout, nbs[paged.layer_group[i]])]
+    dyn = ({1: t}, {0: t}, {0: t}, {1: m}, tuple([{1: m}] * (len(groups) - 1) + pool_dims))
+    inputs, outputs = io_names(layout.num_layers, len(groups))
     t0 = time.time()
     with torch.no_grad():
         # torch.export first (torch.onnx mangles the varargs structure of dynamic_shapes)

@@ -112,21 +112,35 @@ class OrtBackend:
         if self.native:  # 0: onnxruntime's default (one thread per physical core)
             self.kernel_threads = threads or None
         self.inputs, self.outputs = inputs, outputs
+        self.set_groups(None)
+
+    def set_groups(self, groups) -> None:
+        """Allocate and bind the pools: one global group (None) or the manifest's layer groups, each
+        layer's pool with its group's blocks and one block-table input per group."""
+        import onnxruntime as ort
+
+        from toolkit.block_pool import layer_layouts
+
+        self.groups = groups
+        n_tables = len(groups) if groups else 1
         # numpy arrays own the memory; the OrtValues wrap it without a copy (CPU)
-        self.arrays = [a for i in range(layout.num_layers) for a in layout.allocate_layer_numpy()]
+        self.arrays = None  # the previous pools (if any) go before the new ones are made
+        self.arrays = [a for lay in layer_layouts(self.layout, groups) for a in lay.allocate_layer_numpy()]
         self.pools = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.arrays]
         self.binding = self.session.io_binding()
-        self.binding.bind_output(outputs[0], "cpu")  # first, so get_outputs()[0] is the logits
-        for name, out_name, value in zip(inputs[4:], outputs[1:], self.pools):
+        self.binding.bind_output(self.outputs[0], "cpu")  # first, so get_outputs()[0] is the logits
+        for name, out_name, value in zip(self.inputs[3 + n_tables:], self.outputs[1:], self.pools):
             self.binding.bind_ortvalue_input(name, value)
             self.binding.bind_ortvalue_output(out_name, value)
 
     def forward(self, ids, positions, seq_ids, tables) -> np.ndarray:
+        """tables: one [S, M] array, or a list of one per layer group."""
         b = self.binding
         b.bind_cpu_input(self.inputs[0], np.ascontiguousarray(ids[None]))
         b.bind_cpu_input(self.inputs[1], np.ascontiguousarray(positions))
         b.bind_cpu_input(self.inputs[2], np.ascontiguousarray(seq_ids))
-        b.bind_cpu_input(self.inputs[3], np.ascontiguousarray(tables))
+        for name, table in zip(self.inputs[3:], tables if isinstance(tables, list) else [tables]):
+            b.bind_cpu_input(name, np.ascontiguousarray(table))
         b.bind_output(self.outputs[0], "cpu")  # logits change shape with T: let ORT allocate them
         self.session.run_with_iobinding(b)
         return b.get_outputs()[0].numpy()[0]

@@ -186,3 +186,32 @@ def test_plan_tokens_with_and_without_groups():
     assert plan("smollm2", "1GiB", ["default"])["specs"][0]["grouped"] is None
     mistral = grouped_fit(resolve_spec("default"), load_dims("mistral"), [W, W], 2**30, 16, 4)
     assert mistral["tokens_fit"] is None  # only sliding layers: a fixed pool, conversations unbounded
+
+
+# ---------------------------------------------------------------------------------------------- ONNX
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["ort-fallback", "ort-native"])
+def test_onnx_greedy_equals_hf_with_group_tables(tmp_path, native):
+    from export.onnx_export import export_onnx
+    from runtime_sim.backends import OrtBackend
+
+    if native:
+        from toolkit import native as native_lib
+
+        native_lib.ort_library_path()  # the kernel library must be built (make native)
+    prompt = [(5 * i) % 500 + 3 for i in range(50)]
+    steps = 30  # 80 tokens: more than 3 windows of 24
+    ref = hf_greedy(tiny_model("gemma3"), prompt, steps)
+    paged = compile(tiny_model("gemma3"), "fp32", num_blocks=8, max_seqs=2, sliding_blocks=8)
+    entry = export_onnx(paged, tmp_path / "model.onnx")
+    assert entry["inputs"][:5] == ["input_ids", "positions", "seq_ids", "block_tables", "block_tables_1"]
+    backend = OrtBackend(tmp_path / "model.onnx", paged.layout, entry["inputs"], entry["outputs"], native=native)
+    backend.set_groups([LayerGroup(0, (1,), 8), LayerGroup(W, (0,), window_blocks_needed(W, BS, 16))])
+    assert backend.pool_arrays()[0][0].shape[0] == 4 and backend.pool_arrays()[1][0].shape[0] == 8
+    e = Engine(backend, prefill_chunk=16)
+    c = e.new_conversation()
+    assert list(e.generate(c, prompt, steps)) == ref
+    seq = e.conversations[c].seq
+    assert e.pool.block_table(seq, 1)[:3] == [HOLE] * 3  # the sliding group gave its old blocks back
+    e.pool.check_invariants()

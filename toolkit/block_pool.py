@@ -447,6 +447,21 @@ class LayerGroup:
         return LayerGroup(int(d["window"]), tuple(int(i) for i in d["layers"]), int(d["num_blocks"]))
 
 
+def layer_layouts(layout, groups: list[LayerGroup] | None) -> list:
+    """Per layer, its pool's layout (toolkit.pool_layout.PoolLayout) with its group's block count;
+    groups=None: every layer has `layout`."""
+    import dataclasses
+
+    if not groups:
+        return [layout] * layout.num_layers
+    out = [layout] * layout.num_layers
+    for g in groups:
+        lay = layout if g.num_blocks == layout.num_blocks else dataclasses.replace(layout, num_blocks=g.num_blocks)
+        for i in g.layers:
+            out[i] = lay
+    return out
+
+
 def window_blocks_needed(window: int, block_size: int, new_tokens: int) -> int:
     """Blocks one sequence of a sliding group holds at most while a call writes new_tokens: the
     blocks that intersect the window before the first new token, plus those the new tokens fill."""
