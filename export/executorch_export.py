@@ -7,7 +7,12 @@ the runtime allocates the pool as several buffers, none larger than the manifest
 one big block; everything else (activations) stays in arena 1.
 
 Weights: "fp32", or "8da4w" (int8 dynamic activations, int4 grouped weights through torchao, the
-scheme ExecuTorch's own LLM export uses; XNNPACK runs it).
+scheme ExecuTorch's own LLM export uses; XNNPACK runs it), or "8da4w-e8": 8da4w plus the token
+embedding as int8 with one fp32 scale per row (torchao IntxWeightOnlyConfig, as optimum-executorch's
+--qembedding 8w), which ExecuTorch's quant fusion turns into quantized_decomposed::embedding_byte
+(kernel: libexecutorch_kernels_quantized). SmolLM2's fp32 embedding is 113 MB, more than all its int4
+linears; int8 makes it 28 MB. A tied LM head keeps its own int4 copy: XNNPACK packs its linears'
+weights into its own buffers, so the gather cannot share them.
 """
 
 from __future__ import annotations
@@ -34,6 +39,28 @@ def _quantize_8da4w(model: torch.nn.Module, group_size: int = 32) -> None:
         Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size)),
         filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and m.in_features % group_size == 0,
     )
+
+
+def _quantize_embeddings_int8(model: torch.nn.Module) -> None:
+    """Token embeddings to int8, symmetric, one scale per row (the pattern ExecuTorch fuses into
+    embedding_byte). Done after the linears: a tied head already has its own quantized copy."""
+    from torchao.quantization import IntxWeightOnlyConfig, quantize_
+    from torchao.quantization.granularity import PerAxis
+
+    quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)),
+              filter_fn=lambda m, fqn: isinstance(m, torch.nn.Embedding))
+
+
+def load_quantized_kernels() -> None:
+    """Register ExecuTorch's quantized kernels (embedding_byte) with the runtime of portable_lib, which
+    does not carry them (import portable_lib first: one runtime per process)."""
+    import ctypes
+
+    import executorch
+    import executorch.extension.pybindings.portable_lib  # noqa: F401
+
+    ctypes.CDLL(str(Path(executorch.__path__[0]) / "lib" / "libexecutorch_kernels_quantized.so"),
+                mode=ctypes.RTLD_GLOBAL)
 
 
 def _partitioner():
@@ -91,10 +118,14 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
     from executorch.exir.passes import MemoryPlanningPass
 
     layout = paged.layout
-    if weights == "8da4w":
+    if weights in ("8da4w", "8da4w-e8"):
         _quantize_8da4w(paged.hf)
     elif weights != "fp32":
-        raise PagedKVError(f"weights '{weights}' cannot be exported to .pte: use fp32 or 8da4w.")
+        raise PagedKVError(f"weights '{weights}' cannot be exported to .pte: use fp32, 8da4w or 8da4w-e8.")
+    if weights == "8da4w-e8":
+        import executorch.kernels.quantized  # noqa: F401  (registers the quantized_decomposed out variants)
+
+        _quantize_embeddings_int8(paged.hf)
     # block tables can be wider than the pool when the sliding policy leaves holes (-1) behind
     max_blocks = max(layout.num_blocks, 4096)
     t = torch.export.Dim("T", min=1, max=max_tokens)
@@ -118,7 +149,9 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
         progress(f"lowered in {time.time() - t0:.0f}s; planning memory")
     arenas = PoolArenas(layout.num_layers, layers_per_arena)
     et = edge.to_executorch(
-        ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(memory_planning_algo=arenas))
+        ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(memory_planning_algo=arenas),
+                                # dequantize + embedding -> embedding_byte (a no-op without quantized weights)
+                                do_quant_fusion_and_const_prop=weights == "8da4w-e8")
     )
     path = Path(path)
     path.write_bytes(et.buffer)
