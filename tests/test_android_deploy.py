@@ -1,24 +1,34 @@
-"""`pagedkv deploy`: argument checks, and the no-device error with the real adb (Debian's adb package)."""
+"""`pagedkv deploy`: argument checks, the no-device error with the real adb (Debian's adb package), and the
+whole deploy against a FAKE adb: an executable on PATH that records its arguments and emulates a phone's
+file system in a temp dir (a test double for the device we do not have; see fake_adb below)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import shutil
+import stat
 import subprocess
+import sys
 
 import pytest
 
-from toolkit.manifest import write_manifest
-from toolkit.deploy import AdbNotFound, NoDeviceError, deploy, deploy_files, pick_device
+from toolkit.deploy import (AdbNotFound, DeployError, NoDeviceError, deploy, deploy_files, pick_device,
+                            shell_command)
+from toolkit.manifest import DIGEST_NAME, MANIFEST_NAME, write_manifest
 from toolkit.errors import ArtifactError, PagedKVError
 
 
 def make_artifacts(path, pte=True, tokenizer=True, write_pte_file=True):
     path.mkdir(parents=True, exist_ok=True)
-    arts = {"pte": {"file": "model.pte", "sha256": "0" * 64}} if pte else {"onnx": {"file": "model.onnx"}}
+    pte_bytes = bytes(range(256)) * 64
+    sha = hashlib.sha256(pte_bytes).hexdigest()
+    arts = {"pte": {"file": "model.pte", "sha256": sha}} if pte else {"onnx": {"file": "model.onnx"}}
     tok = ["tokenizer_config.json", "tokenizer.json"] if tokenizer else []
     write_manifest(path, {"artifacts": arts, "tokenizer_files": tok})
     if write_pte_file:
-        (path / "model.pte").write_bytes(b"\0" * 16)
+        (path / "model.pte").write_bytes(pte_bytes)
     for name in tok:
         (path / name).write_text("{}")
     return path
@@ -35,7 +45,10 @@ def real_adb():
 
 def test_files_to_push(tmp_path):
     art = make_artifacts(tmp_path / "a")
-    assert [p.name for p in deploy_files(art)] == ["pagedkv.json", "model.pte", "tokenizer_config.json", "tokenizer.json"]
+    assert [p.name for p in deploy_files(art)] == ["pagedkv.json", "pagedkv.json.sha256", "model.pte",
+                                                   "tokenizer_config.json", "tokenizer.json"]
+    (art / "extra.bin").write_bytes(b"not named by the manifest")
+    assert "extra.bin" not in [p.name for p in deploy_files(art)]
 
 
 @pytest.mark.parametrize(
@@ -106,3 +119,176 @@ def test_cli_exit_code(tmp_path):
     res = CliRunner().invoke(app, ["deploy", str(tmp_path / "nope")])
     assert res.exit_code == 2
     assert "not a directory" in " ".join(res.output.split())
+
+
+# ---- the whole deploy against a fake adb ----------------------------------------------------------
+
+FAKE_ADB = r'''#!PYTHON
+# FAKE adb for tests (a test double for a phone): records its arguments in $FAKE_ADB_ROOT/adb.log and
+# emulates a device whose file system is $FAKE_ADB_ROOT/device. `shell` runs the command line the way
+# adbd does (one string, parsed by sh) with the device's absolute paths mapped into that dir, and with
+# fake `pm`, `am` and `run-as` first on PATH. FAKE_ADB_CORRUPT=<name>: `push` of that file flips a byte.
+import json, os, shutil, subprocess, sys
+root = os.environ["FAKE_ADB_ROOT"]
+dev = os.path.join(root, "device")
+args = sys.argv[1:]
+with open(os.path.join(root, "adb.log"), "a") as f:
+    f.write(json.dumps(args) + "\n")
+if args == ["devices"]:
+    print("List of devices attached\nFAKE0001\tdevice\n")
+    sys.exit(0)
+if args[:2] != ["-s", "FAKE0001"]:
+    print("adb: device not found", file=sys.stderr)
+    sys.exit(1)
+args = args[2:]
+def mapped(text):
+    for p in ("/data/local/tmp", "/sdcard"):
+        text = text.replace(p, dev + p)
+    return text
+if args[0] == "push":
+    dst = mapped(args[2])
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    data = open(args[1], "rb").read()
+    if os.path.basename(args[1]) == os.environ.get("FAKE_ADB_CORRUPT"):
+        data = bytes([data[0] ^ 1]) + data[1:]
+    open(dst, "wb").write(data)
+    print(f"{args[1]}: 1 file pushed")
+    sys.exit(0)
+if args[0] == "shell":
+    env = dict(os.environ, PATH=os.path.join(root, "bin") + os.pathsep + os.environ["PATH"])
+    sys.exit(subprocess.run(["sh", "-c", mapped(" ".join(args[1:]))], cwd=dev, env=env).returncode)
+sys.exit(f"fake adb: unsupported {args}")
+'''
+
+FAKE_TOOLS = {
+    "pm": '[ "$1" = path ] && [ -f "$FAKE_ADB_ROOT/installed" ] && echo "package:/data/app/$2/base.apk"; exit 0',
+    "am": 'echo "$@" >> "$FAKE_ADB_ROOT/am.log"',
+    "run-as": 'pkg="$1"; shift\n'
+              'if [ ! -f "$FAKE_ADB_ROOT/debuggable" ]; then echo "run-as: package not debuggable: $pkg" >&2; exit 1; fi\n'
+              'mkdir -p "$FAKE_ADB_ROOT/device/data/data/$pkg" && cd "$FAKE_ADB_ROOT/device/data/data/$pkg" && exec "$@"',
+}
+
+
+@pytest.fixture()
+def fake_adb(tmp_path, monkeypatch):
+    """A phone with the app installed; returns its root (device/ is its file system)."""
+    root = tmp_path / "phone"
+    (root / "bin").mkdir(parents=True)
+    (root / "device").mkdir()
+    (root / "installed").touch()
+    adb = root / "bin" / "adb"
+    adb.write_text(FAKE_ADB.replace("PYTHON", sys.executable))
+    for name, body in FAKE_TOOLS.items():
+        (root / "bin" / name).write_text("#!/bin/sh\n" + body + "\n")
+    for f in (root / "bin").iterdir():
+        f.chmod(f.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("FAKE_ADB_ROOT", str(root))
+    monkeypatch.setenv("PATH", str(root / "bin") + os.pathsep + os.environ["PATH"])
+    return root
+
+
+def adb_log(root):
+    return [json.loads(ln) for ln in (root / "adb.log").read_text().splitlines()] if (root / "adb.log").exists() else []
+
+
+def same_files(art, model_dir):
+    names = sorted(p.name for p in model_dir.iterdir())
+    assert names == sorted(["pagedkv.json", DIGEST_NAME, "model.pte", "tokenizer_config.json", "tokenizer.json"])
+    for n in names:
+        assert (model_dir / n).read_bytes() == (art / n).read_bytes(), n
+
+
+def test_deploy_debuggable_via_run_as(tmp_path, fake_adb):
+    (fake_adb / "debuggable").touch()
+    art = make_artifacts(tmp_path / "a")
+    res = deploy(art, adb="adb")
+    model = fake_adb / "device/data/data/org.pagedkv.demo/files/model"
+    same_files(art, model)
+    assert res["mode"] == "run-as" and res["remote_dir"] == "/data/data/org.pagedkv.demo/files/model"
+    assert (fake_adb / "am.log").read_text().split() == ["force-stop", "org.pagedkv.demo"]
+    assert not (fake_adb / "device/data/local/tmp/pagedkv").exists()  # staging removed
+    log = adb_log(fake_adb)
+    shells = [a[3] for a in log if a[2:3] == ["shell"]]
+    # force-stop before the first push; sha256 checked on .partial names before the rename
+    first_push = next(i for i, a in enumerate(log) if a[2:3] == ["push"])
+    assert any("force-stop" in a[3] for a in log[:first_push] if a[2:3] == ["shell"])
+    i_sha = next(i for i, s in enumerate(shells) if "sha256sum" in s)
+    i_mv = next(i for i, s in enumerate(shells) if "mv -f" in s)
+    assert i_sha < i_mv and ".partial" in shells[i_sha]
+    # deploying again replaces the files by rename (the old model.pte's inode is left to any mapping)
+    old_inode = (model / "model.pte").stat().st_ino
+    deploy(art, adb="adb")
+    assert (model / "model.pte").stat().st_ino != old_inode
+    same_files(art, model)
+
+
+def test_deploy_release_to_external_files_dir(tmp_path, fake_adb):
+    art = make_artifacts(tmp_path / "a")  # no `debuggable` marker: run-as fails like on a release build
+    res = deploy(art, adb="adb")
+    model = fake_adb / "device/sdcard/Android/data/org.pagedkv.demo/files/model"
+    same_files(art, model)
+    assert res["mode"] == "external" and res["remote_dir"] == "/sdcard/Android/data/org.pagedkv.demo/files/model"
+    assert not (fake_adb / "device/data/data").exists()
+    pushes = [a[4] for a in adb_log(fake_adb) if a[2:3] == ["push"]]
+    assert pushes and all(p.endswith(".partial") for p in pushes)
+
+
+def test_deploy_sha_mismatch_on_device_renames_nothing(tmp_path, fake_adb, monkeypatch):
+    art = make_artifacts(tmp_path / "a")
+    deploy(art, adb="adb")
+    model = fake_adb / "device/sdcard/Android/data/org.pagedkv.demo/files/model"
+    before = (model / "model.pte").read_bytes()
+    (art / "tokenizer.json").write_text('{"changed": 1}')  # a new export would differ; the push corrupts it
+    monkeypatch.setenv("FAKE_ADB_CORRUPT", "tokenizer.json")
+    with pytest.raises(DeployError, match="sha256 on the device differs for tokenizer.json"):
+        deploy(art, adb="adb")
+    assert (model / "model.pte").read_bytes() == before
+    assert (model / "tokenizer.json").read_text() == "{}"  # the old one, untouched
+
+
+def test_deploy_app_not_installed(tmp_path, fake_adb):
+    (fake_adb / "installed").unlink()
+    with pytest.raises(DeployError, match="org.pagedkv.demo is not installed"):
+        deploy(make_artifacts(tmp_path / "a"), adb="adb")
+    assert not any(a[2:3] == ["push"] for a in adb_log(fake_adb))
+
+
+def test_deploy_refuses_a_pte_that_does_not_match_its_manifest(tmp_path, fake_adb):
+    art = make_artifacts(tmp_path / "a")
+    (art / "model.pte").write_bytes(b"edited")
+    with pytest.raises(ArtifactError, match="does not match the sha256"):
+        deploy(art, adb="adb")
+    assert adb_log(fake_adb) == []
+
+
+HOSTILE = "x; do touch pwned; done; for f in y"
+
+
+def write_raw_manifest(art, manifest):
+    """A manifest written by hand with a matching digest (what a hostile or broken exporter could produce)."""
+    data = (json.dumps(manifest) + "\n").encode()
+    (art / MANIFEST_NAME).write_bytes(data)
+    (art / DIGEST_NAME).write_text(hashlib.sha256(data).hexdigest() + "  " + MANIFEST_NAME + "\n")
+
+
+@pytest.mark.parametrize("bad", [HOSTILE, "$(touch pwned)", "`touch pwned`", "-rf", "../x", "a b", "x'y"])
+def test_hostile_tokenizer_file_names_are_refused(tmp_path, fake_adb, bad):
+    art = make_artifacts(tmp_path / "a")
+    manifest = json.loads((art / MANIFEST_NAME).read_text())
+    manifest["tokenizer_files"].append(bad)
+    write_raw_manifest(art, manifest)
+    if "/" not in bad:
+        (art / bad).write_text("x")
+    with pytest.raises(ArtifactError) as e:
+        deploy(art, adb="adb")
+    assert repr(bad)[1:-1] in str(e.value) or bad in str(e.value)
+    assert adb_log(fake_adb) == []  # refused before adb is touched
+    assert not list(tmp_path.rglob("pwned")) and not list(fake_adb.rglob("pwned"))
+
+
+def test_shell_words_reach_the_device_shell_literally(tmp_path):
+    """Defence in depth: shell_command quotes every word, so even a hostile name is one literal argument."""
+    out = subprocess.run(["sh", "-c", shell_command("printf", "%s|", HOSTILE, "$(touch pwned)", "a'b")],
+                         cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+    assert out == f"{HOSTILE}|$(touch pwned)|a'b|"
+    assert not (tmp_path / "pwned").exists()

@@ -1,9 +1,21 @@
 """`pagedkv deploy ARTIFACTS [--serial S]`: push an exported artifacts dir to the Android demo app.
 
-Copies model.pte, pagedkv.json and the tokenizer files to the app's files directory
-(`/data/data/org.pagedkv.demo/files/model/`) with the real `adb`: the files go to
-/data/local/tmp/pagedkv/ first, then `adb shell run-as <package>` copies them into the app's private
-directory (run-as works for debuggable builds, which is what Android Studio installs).
+Pushes exactly the files the manifest names (pagedkv.json and its .sha256, the .pte, the tokenizer
+files) with the real `adb`, in this order:
+
+1. checks every name (a plain file name: letters, digits, '.', '_', '+', '-'; nothing else reaches
+   a device shell) and the .pte's sha256 against the manifest, before touching adb;
+2. `am force-stop` the app, so no running runner has the old model.pte mapped while it is replaced;
+3. finds where the app reads its model: a debuggable install (Android Studio's Run) gets
+   `files/model/` in its private dir through `run-as`; a release install reads its external files
+   dir, `/sdcard/Android/data/<package>/files/model/`, which adb can write directly;
+4. pushes each file to a temporary name (`<name>.partial`; debuggable: via /data/local/tmp first),
+   checks its sha256 on the device (`sha256sum`) against the local file, and only then renames all
+   of them into place, so an interrupted deploy never leaves a half-written model.pte under its
+   real name.
+
+Device shell commands are fixed scripts; the file names reach them as positional arguments ("$@"),
+each quoted for the device shell, never spliced into the script text.
 
     deploy("artifacts/smollm2-pte")                  # the only connected device
     deploy("artifacts/smollm2-pte", serial="emulator-5554")
@@ -12,17 +24,28 @@ directory (run-as works for debuggable builds, which is what Android Studio inst
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
-from toolkit.manifest import MANIFEST_NAME, read_manifest
 from toolkit.errors import ArtifactError, PagedKVError
+from toolkit.manifest import DIGEST_NAME, MANIFEST_NAME, artifact_path, read_manifest, sha256_file
 
 DEFAULT_PACKAGE = "org.pagedkv.demo"
-REMOTE_STAGING = "/data/local/tmp/pagedkv"
+REMOTE_STAGING = "/data/local/tmp/pagedkv"  # debuggable installs: adb pushes here, run-as copies on
+EXTERNAL_ROOT = "/sdcard/Android/data"      # release installs: <root>/<package>/files/model
 APP_MODEL_DIR = "files/model"  # relative to the app's data dir (Context.getFilesDir()/model)
+PARTIAL = ".partial"
 ADB_TIMEOUT_S = 60
+PUSH_TIMEOUT_S = 1800  # a 500 MB .pte over USB 2
+# What a file name may look like on its way to a device shell (stricter than the manifest's own rule).
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
+
+# Run as the app (cwd = its data dir): copy the staged files ($1 = staging dir) to <name>.partial.
+_COPY_IN = 'src="$1"; shift; mkdir -p files/model && for f in "$@"; do cp "$src/$f" "files/model/$f.partial" || exit 1; done'
+# Rename every <dir>/<name>.partial ($1 = dir) to <dir>/<name>.
+_RENAME = 'dir="$1"; shift; for f in "$@"; do mv -f "$dir/$f.partial" "$dir/$f" || exit 1; done'
 
 
 class AdbNotFound(PagedKVError):
@@ -37,8 +60,18 @@ class DeployError(PagedKVError):
     """An adb step failed."""
 
 
+def _safe_name(name: str, art: Path) -> str:
+    if not isinstance(name, str) or not SAFE_NAME.fullmatch(name):
+        raise ArtifactError(
+            f"the manifest of {art} names the file {name!r}: deploy pushes only plain names of letters, digits and "
+            "'._+-' (the device shell sees them); re-run `pagedkv export`."
+        )
+    return name
+
+
 def deploy_files(artifacts_dir: str | Path) -> list[Path]:
-    """The files to push: pagedkv.json, the .pte, the tokenizer files. Raises ArtifactError if any is missing."""
+    """The files to push, in order: pagedkv.json, its .sha256, the .pte, the tokenizer files. Only files the
+    manifest names, each a plain name inside the dir. Raises ArtifactError if any is missing or odd."""
     art = Path(artifacts_dir)
     if not art.is_dir():
         raise ArtifactError(f"{art} is not a directory: pass the artifacts dir made by `pagedkv export --format pte`.")
@@ -49,16 +82,21 @@ def deploy_files(artifacts_dir: str | Path) -> list[Path]:
         raise ArtifactError(
             f"{art} has no .pte (it has: {have}): the phone runs ExecuTorch; export with `pagedkv export --format pte`."
         )
-    files = [art / MANIFEST_NAME, art / entry["file"]]
     tok = list(manifest.get("tokenizer_files") or [])
     if "tokenizer.json" not in tok:
         raise ArtifactError(
             f"{art} has no tokenizer.json in its manifest: the phone's runner needs the HF tokenizer.json; re-export."
         )
-    files += [art / name for name in tok]
+    names = [MANIFEST_NAME, DIGEST_NAME, entry["file"]] + [n for n in tok if n != entry["file"]]
+    names = list(dict.fromkeys(names))  # once each, in order
+    files = [artifact_path(art, _safe_name(n, art)) for n in names]
     missing = [str(p) for p in files if not p.is_file()]
     if missing:
         raise ArtifactError(f"missing from {art}: {', '.join(missing)}. Re-run `pagedkv export --format pte`.")
+    want = entry.get("sha256")
+    if want and sha256_file(art / entry["file"]) != want:
+        raise ArtifactError(f"{art / entry['file']} does not match the sha256 in its manifest (changed after "
+                            "export?): re-run `pagedkv export --format pte`.")
     return files
 
 
@@ -72,15 +110,21 @@ def find_adb(adb: str = "adb") -> str:
     return path
 
 
-def _run(cmd: list[str], what: str) -> str:
+def _run(cmd: list[str], what: str, timeout: int = ADB_TIMEOUT_S) -> str:
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ADB_TIMEOUT_S)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise DeployError(f"`{' '.join(cmd)}` did not finish in {ADB_TIMEOUT_S}s while {what}: check the USB connection.") from None
+        raise DeployError(f"`{' '.join(cmd)}` did not finish in {timeout}s while {what}: check the USB connection.") from None
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise DeployError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}) while {what}: {' | '.join(tail)}")
     return proc.stdout
+
+
+def shell_command(*words: str) -> str:
+    """One `adb shell` command line: adb joins its arguments with spaces and the device's shell parses
+    the result, so every word is quoted for that shell here."""
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def list_devices(adb_path: str) -> dict[str, str]:
@@ -119,34 +163,75 @@ def pick_device(devices: dict[str, str], serial: str | None) -> str:
     return ready[0]
 
 
+def _device_sha256(base: list[str], paths: list[str], run_as: str | None, what: str) -> list[str | None]:
+    """The sha256 of each path on the device (as the app when run_as is given), in order (sha256sum
+    prints one line per argument, in argument order); None where it printed none."""
+    prefix = ("run-as", run_as) if run_as else ()
+    proc = subprocess.run(base + ["shell", shell_command(*prefix, "sha256sum", "--", *paths)], capture_output=True,
+                          text=True, timeout=PUSH_TIMEOUT_S)
+    sums = [ln.split(None, 1)[0] for ln in proc.stdout.splitlines() if re.match(r"[0-9a-f]{64}\s", ln)]
+    if len(sums) != len(paths):  # a file missing on the device: which one is not known, so none counts
+        return [None] * len(paths)
+    return sums
+
+
 def deploy(artifacts_dir: str | Path, serial: str | None = None, adb: str = "adb",
            package: str = DEFAULT_PACKAGE, progress=None) -> dict:
-    """Push the artifacts to the app. Returns {"serial", "remote_dir", "files", "bytes"}."""
+    """Push the artifacts to the app. Returns {"serial", "mode", "remote_dir", "files", "bytes"}."""
     if serial is not None and (not serial or not re.fullmatch(r"[\w.:\-]+", serial)):
         raise PagedKVError(f"--serial {serial!r} is not a device serial: copy one from `adb devices`.")
     if not re.fullmatch(r"[A-Za-z][\w]*(\.[A-Za-z][\w]*)+", package):
         raise PagedKVError(f"package {package!r} is not an Android package name (like org.pagedkv.demo).")
     files = deploy_files(artifacts_dir)  # check the artifacts before touching adb
+    local_sha = {f.name: sha256_file(f) for f in files}
+    names = [f.name for f in files]
     adb_path = find_adb(adb)
     target = pick_device(list_devices(adb_path), serial)
     base = [adb_path, "-s", target]
     say = progress or (lambda msg: None)
 
-    _run(base + ["shell", "mkdir", "-p", REMOTE_STAGING], "creating the staging dir")
-    total = 0
-    for f in files:
-        say(f"pushing {f.name} ({f.stat().st_size / 2**20:.1f} MiB)")
-        _run(base + ["push", str(f), f"{REMOTE_STAGING}/{f.name}"], f"pushing {f.name}")
-        total += f.stat().st_size
-    names = " ".join(f.name for f in files)
-    copy = (f"mkdir -p {APP_MODEL_DIR} && for f in {names}; do cp {REMOTE_STAGING}/$f {APP_MODEL_DIR}/$f || exit 1; done")
-    try:
-        _run(base + ["shell", "run-as", package, "sh", "-c", f"'{copy}'"], "copying into the app's files dir")
-    except DeployError as e:
-        raise DeployError(
-            f"{e}. Is {package} installed as a debuggable build (Android Studio's Run installs one)? "
-            f"The files are in {REMOTE_STAGING} on the device."
-        ) from None
-    _run(base + ["shell", "rm", "-rf", REMOTE_STAGING], "removing the staging dir")
-    return {"serial": target, "remote_dir": f"/data/data/{package}/{APP_MODEL_DIR}",
-            "files": [f.name for f in files], "bytes": total}
+    installed = _run(base + ["shell", shell_command("pm", "path", package)], "looking for the app")
+    if "package:" not in installed:
+        raise DeployError(f"{package} is not installed on {target}: install the app first (Android Studio's Run, or "
+                          "`./gradlew installDebug` in android_demo/), then deploy.")
+    _run(base + ["shell", shell_command("am", "force-stop", package)], "stopping the app")
+    probe = subprocess.run(base + ["shell", shell_command("run-as", package, "true")], capture_output=True,
+                           text=True, timeout=ADB_TIMEOUT_S)
+    debuggable = probe.returncode == 0
+    total = sum(f.stat().st_size for f in files)
+
+    if debuggable:  # private files dir through run-as (paths relative to the app's data dir)
+        mode, remote_dir = "run-as", APP_MODEL_DIR
+        _run(base + ["shell", shell_command("mkdir", "-p", REMOTE_STAGING)], "creating the staging dir")
+        for f in files:
+            say(f"pushing {f.name} ({f.stat().st_size / 2**20:.1f} MiB)")
+            _run(base + ["push", str(f), f"{REMOTE_STAGING}/{f.name}"], f"pushing {f.name}", PUSH_TIMEOUT_S)
+        try:
+            _run(base + ["shell", shell_command("run-as", package, "sh", "-c", _COPY_IN, "pagedkv-deploy",
+                                                REMOTE_STAGING, *names)],
+                 "copying into the app's files dir", PUSH_TIMEOUT_S)
+        except DeployError as e:
+            raise DeployError(f"{e}. The files are in {REMOTE_STAGING} on the device.") from None
+        run_as = package
+    else:  # a release install reads its external files dir, which adb writes directly
+        mode, remote_dir = "external", f"{EXTERNAL_ROOT}/{package}/{APP_MODEL_DIR}"
+        _run(base + ["shell", shell_command("mkdir", "-p", remote_dir)], "creating the app's external model dir")
+        for f in files:
+            say(f"pushing {f.name} ({f.stat().st_size / 2**20:.1f} MiB)")
+            _run(base + ["push", str(f), f"{remote_dir}/{f.name}{PARTIAL}"], f"pushing {f.name}", PUSH_TIMEOUT_S)
+        run_as = None
+
+    say("checking sha256 on the device")
+    partials = [f"{remote_dir}/{n}{PARTIAL}" for n in names]
+    sums = _device_sha256(base, partials, run_as, "checking sha256 on the device")
+    bad = [n for n, got in zip(names, sums) if got != local_sha[n]]
+    if bad:
+        raise DeployError(f"sha256 on the device differs for {', '.join(bad)} (a transfer error or a full disk?): "
+                          f"nothing was renamed; the model in {remote_dir} is unchanged. Run deploy again.")
+    prefix = ("run-as", package) if run_as else ()
+    _run(base + ["shell", shell_command(*prefix, "sh", "-c", _RENAME, "pagedkv-deploy", remote_dir, *names)],
+         "renaming the files into place")
+    if debuggable:
+        _run(base + ["shell", shell_command("rm", "-rf", REMOTE_STAGING)], "removing the staging dir")
+    app_dir = f"/data/data/{package}/{APP_MODEL_DIR}" if debuggable else remote_dir
+    return {"serial": target, "mode": mode, "remote_dir": app_dir, "files": names, "bytes": total}
