@@ -1,10 +1,17 @@
 // Block tables, reference counts, the free list and sequence slots of the paged KV pool: the C++
-// mirror of toolkit/block_pool.py (no prefix cache and no fork here: the app runs one chat per
-// conversation). Blocks are handed out lowest id first, so used blocks stay at the bottom of the
-// pool and shrinking its free top part usually succeeds.
-//
-// The usable limit: only blocks < limit() are handed out. shrink lowers it (blocks at or above the
-// new limit must be free), grow raises it again up to the exported number of blocks.
+// twin of toolkit/block_pool.py's BlockPool. tests/test_twins.py replays one recorded trace of pool
+// operations through both and compares every result. The intended differences, all of them:
+//   1. allocation order: here the lowest free id first (used blocks stay at the bottom of the pool,
+//      so shrinking its free top part usually succeeds); in Python the block freed longest ago (an LRU
+//      for its prefix cache). Block ids therefore differ; counts, slots and outcomes do not.
+//   2. no prefix cache and no fork / copy-on-write here: the app runs one chat per conversation, so
+//      every refcount is 0 or 1, and commit takes a token count (Python takes the token ids, for the
+//      prefix cache's hashes).
+//   3. the usable limit (C++ only): only blocks < limit() are handed out. shrink lowers it (blocks at
+//      or above the new limit must be free; the runner then returns their pages to the OS when Android
+//      asks the app to trim), grow raises it again up to the exported number of blocks.
+//   4. no per-layer-group tables yet (Python: toolkit.block_pool.GroupedBlockPool for sliding-window
+//      layers); the runner keeps one table for all layers.
 #pragma once
 
 #include <cstdint>

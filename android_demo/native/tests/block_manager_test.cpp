@@ -1,4 +1,9 @@
 // Unit tests of the C++ block manager (mirrors tests/test_block_pool.py's core cases).
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
 #include "block_manager.h"
 #include "errors.h"
 #include "test_util.h"
@@ -16,7 +21,48 @@ static ErrorCode code_of(const std::function<void()>& f) {
   return static_cast<ErrorCode>(0);
 }
 
-int main() {
+// block_manager_test --trace FILE NUM_BLOCKS BLOCK_SIZE MAX_SEQS: replays a trace of pool operations
+// (one per line: "new", "reserve S N", "commit S N", "release S") and prints what the manager did,
+// one line per operation, in the words tests/test_twins.py's Python twin uses. Block ids are left
+// out: the two managers hand out blocks in a different order by design (see block_manager.h).
+static int replay(const char* path, int num_blocks, int block_size, int max_seqs) {
+  BlockManager p(num_blocks, block_size, max_seqs, num_blocks);
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream ops(line);
+    std::string op;
+    int seq = -1, n = 0;
+    ops >> op >> seq >> n;
+    std::string out;
+    try {
+      if (op == "new") {
+        out = "seq " + std::to_string(p.new_sequence());
+      } else if (op == "reserve") {
+        p.reserve(seq, n);
+        out = "ok blocks " + std::to_string(p.blocks(seq).size());
+      } else if (op == "commit") {
+        p.commit(seq, n);
+        out = "len " + std::to_string(p.length(seq));
+      } else if (op == "release") {
+        p.release(seq);
+        out = "released";
+      } else {
+        std::cerr << "bad trace line: " << line << "\n";
+        return 2;
+      }
+    } catch (const RunnerError& e) {
+      out = e.code() == ErrorCode::kPoolExhausted ? "exhausted" : "state error";
+    }
+    p.check_invariants();
+    std::cout << out << " used " << p.num_used() << " free " << p.num_free() << "\n";
+  }
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  if (argc == 6 && std::string(argv[1]) == "--trace")
+    return replay(argv[2], std::atoi(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]));
   t::Summary s;
   s.run("reserve_commit_release", [] {
     BlockManager p(8, 16, 2, 8);
