@@ -466,7 +466,7 @@ std::vector<int32_t> Runner::generate(int conv, const std::vector<int32_t>& prom
   for (int i = 0; i < max_new_tokens; ++i) {
     int32_t tok = sample(logits, sampling, rng);
     out.push_back(tok);
-    const bool stop = std::find(stop_ids_.begin(), stop_ids_.end(), tok) != stop_ids_.end();
+    const bool stop = !sampling.ignore_stop && std::find(stop_ids_.begin(), stop_ids_.end(), tok) != stop_ids_.end();
     bool go_on = true;
     if (cb) {
       std::string piece = streamer.push(tok);
@@ -524,6 +524,31 @@ int Runner::grow(int target) {
 PoolStats Runner::stats() const {
   std::lock_guard<std::mutex> g(impl_->stats_mu);
   return impl_->snapshot;
+}
+
+// Bytes of [p, p + n) resident in memory (pages counted by mincore).
+static int64_t resident_bytes(const uint8_t* p, size_t n) {
+  if (!p || n == 0) return 0;
+  const size_t ps = page_size();
+  const size_t pages = (n + ps - 1) / ps;
+  std::vector<unsigned char> vec(pages);
+  if (mincore(const_cast<uint8_t*>(p), n, vec.data()) != 0) return -1;
+  int64_t r = 0;
+  for (unsigned char v : vec) r += (v & 1) ? static_cast<int64_t>(ps) : 0;
+  return r;
+}
+
+MemoryUse Runner::memory_use() const {
+  MemoryUse u;
+  const Impl& m = *impl_;
+  for (size_t i = 0; i < m.arenas.size(); ++i) {
+    const int64_t res = resident_bytes(m.arenas[i]->ptr, m.arenas[i]->size);
+    const int64_t size = static_cast<int64_t>(m.arenas[i]->size);
+    (i == 0 ? u.activations_resident : u.pool_resident) += res;
+    (i == 0 ? u.activations_reserved : u.pool_reserved) += size;
+  }
+  u.program_path = m.cfg.artifacts_dir + "/" + m.pte_file;
+  return u;
 }
 
 void Runner::check_invariants() const {

@@ -43,6 +43,7 @@ struct Sampling {
   int top_k = 0;
   float top_p = 1.f;
   uint64_t seed = 0;
+  bool ignore_stop = false;  // benchmarks: keep generating past stop tokens (a fixed number of steps)
 };
 
 struct PoolStats {
@@ -62,6 +63,14 @@ struct PoolStats {
   double prefill_tok_s = 0, decode_tok_s = 0;
   std::string isa;
   int threads = 0;  // ExecuTorch's threadpool (linears and attention kernel)
+};
+
+// Resident bytes of the runner's own mappings now (mincore), for a whole-process breakdown.
+struct MemoryUse {
+  int64_t activations_resident = 0, activations_reserved = 0;  // arena 1: planned activations
+  int64_t pool_resident = 0, pool_reserved = 0;                // the KV pool arenas
+  std::string program_path;  // the .pte, mapped (ExecuTorch Module LoadMode::Mmap): its resident pages
+                             // are the weights read straight from the file
 };
 
 struct ShrinkResult {
@@ -99,6 +108,7 @@ class Runner {
   ShrinkResult shrink(int target_usable_blocks);  // lower the limit, release free blocks' pages
   int grow(int target_usable_blocks);             // raise it again (re-commits pages); returns the limit
   PoolStats stats() const;
+  MemoryUse memory_use() const;  // any thread; the arenas do not move after construction
   void check_invariants() const;
   int conversation_length(int conv) const;  // tokens in the cache
 

@@ -1,0 +1,131 @@
+"""pagedkv-runner (android_demo/native/src/runner_cli.cpp): the app's Runner from the command line.
+
+On a tiny llama exported to .pte (make_fixtures.py, fp32 pool): the greedy tokens equal HF's, the
+memory breakdown adds up, bad input is one line and exit 2; then the aarch64 build once under qemu
+(correctness only: qemu says nothing about speed). Prerequisites as tests/test_android_native.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+NATIVE = REPO / "android_demo" / "native"
+CI = NATIVE / "ci_build.sh"
+WIKI = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+APT = "apt-get install -y cmake g++ openjdk-17-jdk-headless g++-aarch64-linux-gnu qemu-user-static"
+
+sys.path.insert(0, str(NATIVE / "tests"))
+
+
+def need(*tools):
+    missing = [t for t in tools if shutil.which(t) is None]
+    if missing:
+        pytest.fail(f"{', '.join(missing)} not installed: {APT}")
+
+
+def build(kind: str) -> Path:
+    proc = subprocess.run(["bash", str(CI), kind], capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return REPO / "build" / ("android-host" if kind == "host" else "android-aarch64")
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    import make_fixtures
+
+    out = tmp_path_factory.mktemp("runner-cli-fixtures")
+    assert make_fixtures.main([str(out)]) == 0
+    case = json.loads((out / "expected.json").read_text())["cases"][0]
+    (out / "prompt.txt").write_text(case["prompt"], encoding="utf-8")
+    return out, case
+
+
+@pytest.fixture(scope="module")
+def host_cli():
+    need("g++", "javac")
+    return build("host") / "pagedkv-runner"
+
+
+def cli(binary, fix, *extra, prefix=(), env=None):
+    out, case = fix
+    cmd = [*prefix, str(binary), str(out / "artifacts"), "--prompt-file", str(out / "prompt.txt"),
+           "--ctx", str(len(case["prompt_ids"])), "--decode", str(len(case["hf_greedy"])), "--threads", "1", *extra]
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=1800, env=env)
+
+
+def test_cli_greedy_tokens_and_memory_breakdown(host_cli, fixtures):
+    p = cli(host_cli, fixtures, "--json", "--budget-mb", "1")
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    _, case = fixtures
+    assert r["generated"] == case["hf_greedy"]
+    assert r["ctx"] == len(case["prompt_ids"]) and r["threads"] == 1
+    assert r["ttft_s"] > 0 and r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
+    # the breakdown: every part resident, the parts within the resident set, the peak above it
+    for k in ("weights_file_resident_bytes", "kv_pool_resident_bytes", "activations_resident_bytes",
+              "libraries_resident_bytes"):
+        assert r[k] > 0, k
+    assert r["peak_rss_bytes"] >= r["rss_bytes"] > 0
+    parts = (r["weights_file_resident_bytes"] + r["kv_pool_resident_bytes"] + r["activations_resident_bytes"]
+             + r["libraries_resident_bytes"])
+    assert parts + r["rest_bytes"] == r["rss_bytes"] and r["rest_bytes"] > 0
+    # the budget of 1 MiB commits at most 1 MiB of blocks (+ the non-block tensors of the arenas)
+    assert r["usable_blocks"] < r["pool_blocks"] or r["kv_pool_reserved_bytes"] <= 2 << 20
+    assert r["kv_pool_resident_bytes"] <= r["kv_pool_reserved_bytes"] + 4096 * 64
+    assert r["kv_bytes"] <= r["kv_pool_resident_bytes"]
+
+
+def test_cli_text_report(host_cli, fixtures):
+    p = cli(host_cli, fixtures)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for word in ("time to first", "prefill", "decode", "peak RSS (VmHWM)", "weights (mapped .pte", "KV pool",
+                 "activations arena", "rest"):
+        assert word in p.stdout, word
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--ctx", "100000"], "fewer than --ctx 100000"),
+    (["--ctx", "ten"], "--ctx ten is not an integer"),
+    (["--budget-mb", "0", "--bogus"], "unknown option --bogus"),
+])
+def test_cli_bad_input_one_line_exit_2(host_cli, fixtures, args, needle):
+    p = cli(host_cli, fixtures, *args)
+    assert p.returncode == 2, p.stdout + p.stderr
+    err = [ln for ln in p.stderr.splitlines() if ln.startswith("pagedkv-runner:")]
+    assert len(err) == 1 and needle in err[0], p.stderr
+
+
+def test_cli_missing_artifacts_and_pool_too_small(host_cli, fixtures, tmp_path):
+    out, case = fixtures
+    p = subprocess.run([str(host_cli), str(tmp_path), "--prompt-file", str(out / "prompt.txt"), "--ctx", "4",
+                        "--decode", "2"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 2 and "pagedkv export" in p.stderr, p.stderr
+    # the fixture's pool holds 512 tokens: 500 + 24 do not fit, said before anything is generated
+    man = json.loads((out / "artifacts" / "pagedkv.json").read_text())["pool"]
+    assert man["num_blocks"] * man["block_size"] == 512
+    p = subprocess.run([str(host_cli), str(out / "artifacts"), "--prompt-file", str(WIKI), "--ctx", "500",
+                        "--decode", "24", "--json"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 2 and "do not fit the pool: 32 usable blocks of 16 tokens (512 tokens)" in p.stderr, p.stderr
+    assert p.stdout == ""
+
+
+def test_cli_aarch64_under_qemu(fixtures):
+    """The cross-built CLI under qemu-aarch64 (-cpu max): the same greedy tokens, a full report."""
+    need("aarch64-linux-gnu-g++", "qemu-aarch64-static", "javac")
+    b = build("cross")
+    et_lib = REPO / "build" / "aarch64-wheel" / "unpacked" / "executorch" / "lib"
+    env = dict(os.environ, QEMU_LD_PREFIX="/usr/aarch64-linux-gnu", LD_LIBRARY_PATH=f"{et_lib}:{b}")
+    p = cli(b / "pagedkv-runner", fixtures, "--json", prefix=("qemu-aarch64-static", "-cpu", "max"), env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["generated"] == fixtures[1]["hf_greedy"]
+    assert r["isa"] == "neon-dotprod"
+    assert r["weights_file_resident_bytes"] > 0 and r["peak_rss_bytes"] > 0
