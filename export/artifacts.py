@@ -236,7 +236,7 @@ def export_artifacts(
 def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, onnx_weights, pte_weights,
                max_tokens_per_call, console) -> dict:
     """Write every file of the export into `out` (a fresh dir); the manifest last."""
-    from toolkit.compiler import compile, model_dims
+    from toolkit.compiler import compile, groups_manifest, model_dims, sliding_pool_blocks
     from toolkit.manifest import check_file_name
 
     dims = model_dims(model.config)
@@ -250,7 +250,8 @@ def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, o
     for fmt in formats:  # onnx before pte: 8da4w quantizes the weights in place
         t0 = time.time()
         paged = compile(model, spec, block_size=layout.block_size, num_blocks=layout.num_blocks,
-                        max_seqs=layout.max_seqs)
+                        max_seqs=layout.max_seqs,
+                        sliding_blocks=sliding_pool_blocks(model.config, layout.block_size, layout.max_seqs))
         with console.status(f"exporting {fmt} ({dims.num_layers} layers, {spec.describe()})..."):
             if fmt == "onnx":
                 from export.onnx_export import export_onnx
@@ -284,6 +285,7 @@ def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, o
             "eos_token_ids": _eos_ids(model, tokenizer),
         },
         "pool": layout.to_dict(),
+        **({"groups": groups_manifest(paged.groups)} if groups_manifest(paged.groups) else {}),
         "artifacts": artifacts,
         "tokenizer_files": tok_files,
     }

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.compiler import PagedModel
+from toolkit.compiler import PagedModel, group_table_names
 from toolkit.errors import PagedKVError
 from toolkit.manifest import PTE_POOL_METHOD, pool_identity
 
@@ -130,11 +130,10 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
     max_blocks = max(layout.num_blocks, 4096)
     t = torch.export.Dim("T", min=1, max=max_tokens)
     m = torch.export.Dim("M", min=1, max=max_blocks)
-    example = (
-        torch.zeros(1, 2, dtype=torch.int64), torch.arange(2), torch.zeros(2, dtype=torch.int64),
-        torch.zeros(layout.max_seqs, 2, dtype=torch.int64),
-    )
-    dyn = ({1: t}, {0: t}, {0: t}, {1: m})
+    # one block table per layer group (the first alone for a model without sliding layers)
+    tables = [torch.zeros(layout.max_seqs, 2, dtype=torch.int64) for _ in paged.groups]
+    example = (torch.zeros(1, 2, dtype=torch.int64), torch.arange(2), torch.zeros(2, dtype=torch.int64), *tables)
+    dyn = ({1: t}, {0: t}, {0: t}, {1: m}, tuple({1: m} for _ in tables[1:]))
     t0 = time.time()
     with torch.no_grad():
         exported = torch.export.export(paged, example, dynamic_shapes=dyn, strict=False)
@@ -159,7 +158,7 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
     return {
         "file": path.name,
         "weights": weights,
-        "inputs": ["input_ids", "positions", "seq_ids", "block_tables"],
+        "inputs": ["input_ids", "positions", "seq_ids"] + group_table_names(paged.groups),
         "outputs": ["logits"],
         "max_tokens_per_call": max_tokens,
         "max_blocks_per_seq": max_blocks,

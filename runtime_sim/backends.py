@@ -179,7 +179,7 @@ class ExecuTorchBackend:
 
     name = "executorch"
 
-    def __init__(self, pte_path, layout, entry: dict, threads: int = 0):
+    def __init__(self, pte_path, layout, entry: dict, threads: int = 0, groups=None):
         import torch  # noqa: F401  (portable_lib needs torch's libraries loaded)
 
         from toolkit.native import load_executorch_kernels
@@ -194,6 +194,7 @@ class ExecuTorchBackend:
         self.kernel_threads = int(portable_lib._threadpool_get_thread_count())
 
         self.layout = layout
+        self.groups = groups  # the manifest's layer groups (one block table each), None: one global group
         self.max_tokens = int(entry.get("max_tokens_per_call", 64))
         try:
             self.module = portable_lib._load_for_executorch(str(pte_path))
@@ -210,14 +211,15 @@ class ExecuTorchBackend:
             )
         import torch
 
+        tables = tables if isinstance(tables, list) else [tables]
         out = self.module.forward(
             (torch.from_numpy(ids)[None], torch.from_numpy(positions), torch.from_numpy(seq_ids),
-             torch.from_numpy(tables))
+             *[torch.from_numpy(t) for t in tables])
         )
         if self._pools is None:
             from toolkit.native import et_pool_arrays
 
-            self._pools = et_pool_arrays(self.layout)
+            self._pools = et_pool_arrays(self.layout, self.groups)
         return out[0][0].numpy()
 
     def pool_arrays(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:

@@ -79,6 +79,19 @@ def check_threads(threads: int) -> int:
     return threads
 
 
+def manifest_groups(manifest: dict):
+    """The manifest's layer groups (toolkit.block_pool.LayerGroup), or None for one global group."""
+    from toolkit.block_pool import LayerGroup
+
+    groups = manifest.get("groups")
+    if not groups:
+        return None
+    try:
+        return [LayerGroup.from_dict(g) for g in groups]
+    except (KeyError, TypeError, ValueError) as e:
+        raise PagedKVError(f"the manifest's groups entry is malformed ({e}): re-run `pagedkv export`.") from None
+
+
 def make_backend(art_dir: Path, manifest: dict, backend: str, native: bool | None = None, threads: int = 0,
                  pool_mb: float | None = None, pool_fraction: float | None = None):
     threads = check_threads(threads)
@@ -94,13 +107,17 @@ def make_backend(art_dir: Path, manifest: dict, backend: str, native: bool | Non
 
         path = verify_artifact(art_dir, manifest, "onnx")
         entry = manifest["artifacts"]["onnx"]
-        return OrtBackend(path, layout, entry["inputs"], entry["outputs"], native=native, threads=threads,
-                          manifest_layout=layout_from_manifest(manifest))
+        be = OrtBackend(path, layout, entry["inputs"], entry["outputs"], native=native, threads=threads,
+                        manifest_layout=layout_from_manifest(manifest))
+        if manifest_groups(manifest):
+            be.set_groups(manifest_groups(manifest))
+        return be
     if backend == "executorch":
         from runtime_sim.backends import ExecuTorchBackend
 
         path = verify_artifact(art_dir, manifest, "pte")
-        return ExecuTorchBackend(path, layout, manifest["artifacts"]["pte"], threads=threads)
+        return ExecuTorchBackend(path, layout, manifest["artifacts"]["pte"], threads=threads,
+                                 groups=manifest_groups(manifest))
     if backend == "torch":
         from runtime_sim.backends import TorchBackend
         from toolkit.compiler import compile
@@ -111,8 +128,10 @@ def make_backend(art_dir: Path, manifest: dict, backend: str, native: bool | Non
 
             torch.set_num_threads(threads)
         model, _ = load_model(manifest["model"]["name"])
+        groups = manifest_groups(manifest)
+        sliding = [g.num_blocks for g in groups or [] if g.window]
         paged = compile(model, layout.spec, block_size=layout.block_size, num_blocks=layout.num_blocks,
-                        max_seqs=layout.max_seqs)
+                        max_seqs=layout.max_seqs, sliding_blocks=max(sliding) if sliding else None)
         return TorchBackend(paged)
     raise PagedKVError(f"unknown backend '{backend}': use one of {', '.join(BACKENDS)}.")
 

@@ -215,3 +215,27 @@ def test_onnx_greedy_equals_hf_with_group_tables(tmp_path, native):
     seq = e.conversations[c].seq
     assert e.pool.block_table(seq, 1)[:3] == [HOLE] * 3  # the sliding group gave its old blocks back
     e.pool.check_invariants()
+
+
+# ---------------------------------------------------------------------------------------------- ExecuTorch
+
+
+def test_pte_greedy_equals_hf_with_group_tables(tmp_path):
+    from export.executorch_export import export_pte
+    from runtime_sim.backends import ExecuTorchBackend
+
+    prompt = [(3 * i) % 500 + 3 for i in range(50)]
+    steps = 30
+    ref = hf_greedy(tiny_model("gemma3"), prompt, steps)
+    sliding = window_blocks_needed(W, BS, 16)
+    paged = compile(tiny_model("gemma3"), "fp32", num_blocks=8, max_seqs=1, sliding_blocks=sliding)
+    entry = export_pte(paged, tmp_path / "model.pte", max_tokens=16)
+    assert entry["inputs"] == ["input_ids", "positions", "seq_ids", "block_tables", "block_tables_1"]
+    backend = ExecuTorchBackend(tmp_path / "model.pte", paged.layout, entry, groups=paged.groups)
+    e = Engine(backend, prefill_chunk=16)
+    c = e.new_conversation()
+    assert list(e.generate(c, prompt, steps)) == ref
+    assert backend.pool_arrays()[0][0].shape[0] == sliding  # the sliding layer's buffer: its group's blocks
+    seq = e.conversations[c].seq
+    assert e.pool.block_table(seq, 1)[:3] == [HOLE] * 3
+    e.pool.check_invariants()

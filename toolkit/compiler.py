@@ -114,6 +114,25 @@ def layer_groups(config, num_blocks: int, sliding_blocks: int | None = None) -> 
     return out
 
 
+CALL_TOKENS = 64  # tokens one sequence writes per call at most (the runtimes' prefill chunk)
+
+
+def sliding_pool_blocks(config, block_size: int, max_seqs: int, call_tokens: int = CALL_TOKENS) -> int | None:
+    """Blocks a sliding group's pools need so that max_seqs sequences can each hold their window and
+    write call_tokens more (toolkit.block_pool.window_blocks_needed); None without sliding layers."""
+    from toolkit.block_pool import window_blocks_needed
+
+    windows = [w for w in layer_windows(config) if w]
+    return max_seqs * window_blocks_needed(max(windows), block_size, call_tokens) if windows else None
+
+
+def groups_manifest(groups) -> list[dict] | None:
+    """The manifest's "groups" entry: None (left out) for one global group, as before groups existed."""
+    if len(groups) == 1 and groups[0].window == 0:
+        return None
+    return [g.to_dict() for g in groups]
+
+
 def group_table_names(groups) -> list[str]:
     """Graph input name of each group's block tables: 'block_tables' for the first (a model without
     sliding layers has only that one, as before groups existed), then block_tables_1, ..."""

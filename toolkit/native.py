@@ -146,20 +146,26 @@ def last_call_pool(lib: ctypes.CDLL) -> str:
     return ("caller", "own", "host")[lib.pagedkv_last_call_pool()]
 
 
-def et_pool_arrays(layout) -> list[tuple]:
+def et_pool_arrays(layout, groups=None) -> list[tuple]:
     """numpy views (no copies, writable) of the pool tensors the ExecuTorch kernels used in their most
-    recent call, per layer: (codes, scales, stage) with the layout's shapes and dtypes. They point into
-    the planned memory of the program that ran last; valid while that program stays loaded."""
+    recent call, per layer: (codes, scales, stage) with the layout's shapes and dtypes (each layer with
+    its layer group's block count when groups are given). They point into the planned memory of the
+    program that ran last; valid while that program stays loaded."""
     import numpy as np
+
+    from toolkit.block_pool import layer_layouts
+
+    layouts = layer_layouts(layout, groups)
 
     lib = load_executorch_kernels()
     fn = lib.pagedkv_et_pool_view
     fn.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)]
     fn.restype = ctypes.c_int
-    shapes = [(layout.codes_shape(), np.dtype(layout.codes_dtype_name)), (layout.scales_shape(), np.float16),
-              (layout.stage_shape(), np.float16)]
     out = []
     for layer in range(layout.num_layers):
+        lay = layouts[layer]
+        shapes = [(lay.codes_shape(), np.dtype(lay.codes_dtype_name)), (lay.scales_shape(), np.float16),
+                  (lay.stage_shape(), np.float16)]
         views = []
         for which, (shape, dtype) in enumerate(shapes):
             ptr, nbytes = ctypes.c_void_p(), ctypes.c_int64()
