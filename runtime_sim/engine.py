@@ -298,6 +298,22 @@ class Engine:
                 return
             logits = self.step({cid: [tok]})[cid]
 
+    # -- save / restore (runtime_sim/conversation_file.py; format: toolkit/CONVERSATION_FORMAT.md) --
+
+    def save(self, cid: int, path, app: bytes = b"") -> int:
+        """Write conversation cid (its blocks as they lie in the pool, stage rows, tokens, and the
+        caller's own `app` bytes) to path, atomically. Returns the file's size in bytes."""
+        from runtime_sim import conversation_file
+
+        return conversation_file.save(self, cid, path, app)
+
+    def restore(self, path) -> int:
+        """A new conversation from a saved file, its blocks mapped back without re-prefill; a file of
+        another model, spec or version, or a damaged one, raises PagedKVError and changes nothing."""
+        from runtime_sim import conversation_file
+
+        return conversation_file.restore(self, path)
+
     # -- stats ---------------------------------------------------------------------------------
 
     def stats(self) -> dict:

@@ -1,0 +1,256 @@
+"""Save and restore a conversation (runtime_sim/conversation_file.py, toolkit/CONVERSATION_FORMAT.md).
+
+A restored conversation must give the next token's logits bit for bit equal to the conversation that
+was saved (same backend, no prefill); every bad file is one PagedKVError and leaves the pool as it was.
+"""
+
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from runtime_sim import conversation_file as cf
+from runtime_sim.backends import TorchBackend
+from runtime_sim.engine import Engine
+from toolkit.compiler import compile
+from toolkit.errors import PagedKVError, PoolExhausted
+from toolkit.tiny_models import tiny_model
+
+PROMPT = list(range(3, 43))  # 40 tokens: 2 full blocks and a partial one
+
+
+def torch_engine(spec="default", family="llama", num_blocks=16, seed=0, **kw):
+    paged = compile(tiny_model(family, seed=seed), spec, num_blocks=num_blocks, max_seqs=3, **kw)
+    return Engine(TorchBackend(paged), prefill_chunk=16)
+
+
+def snapshot(engine):
+    """Everything a failed restore must leave as it was: pool metadata and every pool tensor."""
+    pools = [tuple(a.copy() for a in layer) for layer in cf.pool_arrays(engine)]
+    meta = [(p.free_blocks() if hasattr(p, "free_blocks") else p.num_free_blocks) for p in [engine.pool]]
+    tables = {s: [engine.pool.block_table(s, g) for g in range(len(engine.groups))]
+              for s in engine.pool.live_sequences()}
+    return pools, meta, tables, sorted(engine.conversations)
+
+
+def assert_unchanged(engine, snap):
+    pools, meta, tables, convs = snap
+    now = snapshot(engine)
+    assert now[1:] == (meta, tables, convs)
+    for a, b in zip(pools, now[0]):
+        for x, y in zip(a, b):
+            assert np.array_equal(x.view(np.uint8), y.view(np.uint8))
+    engine.pool.check_invariants()
+
+
+def continue_both(a, ca, b, cb, steps=6):
+    """Feed both conversations the same tokens (a's greedy choices) and require equal logits bit for bit."""
+    tok = a.conversations[ca].pending or [5]
+    for _ in range(steps):
+        la, lb = a.step({ca: tok})[ca], b.step({cb: tok})[cb]
+        assert np.array_equal(la, lb)
+        tok = [int(np.argmax(la))]
+
+
+@pytest.mark.parametrize("spec", ["default", "fp32", "k4v2"])
+def test_round_trip_torch_logits_bit_for_bit(tmp_path, spec):
+    if spec == "k4v2":
+        spec = {"k_bits": 4, "v_bits": 2, "k_group": 32, "v_group": 16}
+    a = torch_engine(spec)
+    ca = a.new_conversation()
+    list(a.generate(ca, PROMPT, 5))
+    size = a.save(ca, tmp_path / "c.pkvc")
+    assert size == (tmp_path / "c.pkvc").stat().st_size
+    assert not [p for p in tmp_path.iterdir() if p.name != "c.pkvc"]  # no temp file left
+    b = torch_engine(spec)
+    other = b.new_conversation()  # the restored one gets another slot and other block ids
+    list(b.generate(other, [9, 8, 7], 1))
+    cb = b.restore(tmp_path / "c.pkvc")
+    assert b.conversations[cb].history == a.conversations[ca].history
+    assert b.conversations[cb].pending == a.conversations[ca].pending
+    assert b.conversations[cb].seq != a.conversations[ca].seq
+    b.pool.check_invariants()
+    continue_both(a, ca, b, cb)
+
+
+def test_round_trip_with_sliding_layer_groups(tmp_path):
+    """Gemma 3 (sliding window 24 + global layers): the sliding group's holes are saved and restored."""
+    a = torch_engine("default", "gemma3", num_blocks=12, sliding_blocks=6)
+    ca = a.new_conversation()
+    list(a.generate(ca, list(range(3, 90)), 4))
+    assert -1 in a.pool.block_table(a.conversations[ca].seq, 1) or -1 in a.pool.block_table(a.conversations[ca].seq, 0)
+    a.save(ca, tmp_path / "g.pkvc")
+    d = cf.read(tmp_path / "g.pkvc")
+    assert len(d.groups) == 2 and any(not all(g.present) for g in d.groups)
+    b = torch_engine("default", "gemma3", num_blocks=12, sliding_blocks=6)
+    cb = b.restore(tmp_path / "g.pkvc")
+    for g in range(2):
+        assert [x >= 0 for x in b.pool.block_table(b.conversations[cb].seq, g)] == \
+            [x >= 0 for x in a.pool.block_table(a.conversations[ca].seq, g)]
+    b.pool.check_invariants()
+    continue_both(a, ca, b, cb, steps=40)  # past the next window boundary
+
+
+def test_sliding_policy_holes_round_trip(tmp_path):
+    a = torch_engine("default", num_blocks=4)
+    a.policy = "sliding"
+    ca = a.new_conversation()
+    list(a.generate(ca, list(range(3, 80)), 3))  # 80 tokens in a pool of 64: old blocks dropped
+    assert -1 in a.pool.block_table(a.conversations[ca].seq)
+    a.save(ca, tmp_path / "s.pkvc")
+    b = torch_engine("default", num_blocks=4)
+    b.policy = "sliding"
+    cb = b.restore(tmp_path / "s.pkvc")
+    continue_both(a, ca, b, cb, steps=3)
+
+
+def test_shared_system_prompt_saved_once_and_forked_after_restart(tmp_path):
+    a = torch_engine()
+    sys_conv = a.new_conversation()
+    a.prefill(sys_conv, list(range(3, 3 + 48)))  # 3 full blocks
+    a.save(sys_conv, tmp_path / "system.pkvc")
+    b = torch_engine()  # "after a restart"
+    base = b.restore(tmp_path / "system.pkvc")
+    used = b.stats()["used_blocks"]
+    kids = [b.fork(base) for _ in range(2)]
+    assert b.stats()["used_blocks"] == used  # the forks share the restored blocks
+    ref = a.fork(sys_conv)
+    for k in kids:
+        assert np.array_equal(b.prefill(k, [50, 51, 52]), a.prefill(ref, [50, 51, 52]))
+        a.clear(ref)
+        a.prefill(ref, list(range(3, 3 + 48)))
+    # restored full blocks are in the prefix cache too
+    b.close(kids[0])
+    seq, cached = b.pool.new_sequence_with_prefix(list(range(3, 3 + 48)) + [1])
+    assert cached == 48
+    b.pool.release(seq)
+
+
+def test_app_bytes_and_evicted_conversation(tmp_path):
+    a = torch_engine()
+    c = a.new_conversation()
+    a.conversations[c].pending = [4, 5, 6]  # nothing cached yet (like an evicted conversation)
+    a.save(c, tmp_path / "e.pkvc", app=b'{"messages": []}')
+    d = cf.read(tmp_path / "e.pkvc")
+    assert d.tokens == [] and d.pending == [4, 5, 6] and d.app == b'{"messages": []}'
+    b = torch_engine()
+    cb = b.restore(tmp_path / "e.pkvc")
+    assert b.stats()["used_blocks"] == 0 and b.conversations[cb].pending == [4, 5, 6]
+
+
+# ------------------------------------------------------------------------------------------ bad files
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("saved") / "c.pkvc"
+    a = torch_engine()
+    c = a.new_conversation()
+    list(a.generate(c, PROMPT, 3))
+    a.save(c, path)
+    return path.read_bytes()
+
+
+def reseal(data: bytes) -> bytes:
+    """A deliberate edit with a valid checksum (to reach the checks after the checksum)."""
+    return data[:-4] + struct.pack("<I", zlib.crc32(data[:-4]))
+
+
+def _version(data):
+    return reseal(data[:8] + struct.pack("<I", 2) + data[12:])
+
+
+def _spec_field(data):  # k_bits 8 -> 6: a valid spec, but not the engine's
+    off = 8 + 4 + 32 + 16
+    return reseal(data[:off] + struct.pack("<I", 6) + data[off + 4:])
+
+
+def _hole(data):  # the partly filled last block marked as a hole: no pool ever drops the block being written
+    d = cf.parse(data)
+    assert len(d.tokens) % 16
+    hdr = cf.encode_header(d)
+    d.groups[0].present[-1] = False
+    d.codes = [c[:-1] for c in d.codes]
+    d.scales = [s[:-1] for s in d.scales]
+    body = b"".join(np.ascontiguousarray(x).tobytes() if isinstance(x, np.ndarray) else x for x in cf._payload(d))
+    assert len(hdr) == len(cf.encode_header(d))
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+BAD = {
+    "empty": (lambda d: b"", "bad magic"),
+    "magic": (lambda d: b"GGUF" + d[4:], "bad magic"),
+    "truncated": (lambda d: d[:len(d) // 2], "checksum"),
+    "truncated-resealed": (lambda d: reseal(d[:len(d) // 2]), "truncated"),
+    "tampered-block": (lambda d: d[:-100] + bytes([d[-100] ^ 1]) + d[-99:], "checksum"),
+    "tampered-token": (lambda d: d[:200] + bytes([d[200] ^ 0x40]) + d[201:], "checksum"),
+    "version": (_version, "format version 2"),
+    "other-spec": (_spec_field, "KV spec"),
+    "extra-bytes": (lambda d: reseal(d[:-4] + b"\0" * 8 + d[-4:]), "unexpected byte"),
+    "hole": (_hole, "would not keep"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_file_is_one_error_and_pool_unchanged(saved, tmp_path, case):
+    make, expect = BAD[case]
+    path = tmp_path / "bad.pkvc"
+    path.write_bytes(make(saved))
+    e = torch_engine()
+    c = e.new_conversation()
+    list(e.generate(c, [1, 2, 3, 4, 5], 2))
+    snap = snapshot(e)
+    with pytest.raises(PagedKVError, match=expect) as info:
+        e.restore(path)
+    assert "\n" not in str(info.value)
+    assert_unchanged(e, snap)
+    list(e.generate(c, [6], 2))  # still usable
+
+
+def test_other_model_spec_dims_and_missing_file(saved, tmp_path):
+    path = tmp_path / "c.pkvc"
+    path.write_bytes(saved)
+    for engine, expect in ((torch_engine(seed=1), "another model"), (torch_engine("fp32"), "pool has|KV spec"),
+                           (torch_engine(family="qwen3"), "another model")):
+        snap = snapshot(engine)
+        with pytest.raises(PagedKVError, match=expect):
+            engine.restore(path)
+        assert_unchanged(engine, snap)
+    with pytest.raises(PagedKVError, match="does not exist"):
+        torch_engine().restore(tmp_path / "nope.pkvc")
+
+
+def test_restore_into_a_full_pool_changes_nothing(saved, tmp_path):
+    path = tmp_path / "c.pkvc"
+    path.write_bytes(saved)
+    e = torch_engine(num_blocks=4)
+    c = e.new_conversation()
+    e.prefill(c, list(range(3, 3 + 40)))  # 3 of 4 blocks
+    snap = snapshot(e)
+    with pytest.raises(PoolExhausted, match="restoring"):
+        e.restore(path)
+    assert_unchanged(e, snap)
+
+
+def test_write_is_atomic(tmp_path, monkeypatch):
+    a = torch_engine()
+    c = a.new_conversation()
+    a.prefill(c, PROMPT)
+    path = tmp_path / "c.pkvc"
+    a.save(c, path)
+    before = path.read_bytes()
+    a.prefill(c, [7, 8, 9])
+
+    def broken(chunks):  # the disk fills up half-way through the new file
+        yield next(iter(chunks))
+        raise OSError(28, "No space left on device")
+
+    real = cf._payload
+    monkeypatch.setattr(cf, "_payload", lambda d: broken(real(d)))
+    with pytest.raises(PagedKVError, match="No space left"):
+        a.save(c, path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["c.pkvc"]
+    a.save(c, path)
+    assert cf.read(path).tokens == PROMPT + [7, 8, 9]
