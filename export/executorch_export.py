@@ -10,8 +10,9 @@ Weights: "fp32", or "8da4w" (int8 dynamic activations, int4 grouped weights thro
 scheme ExecuTorch's own LLM export uses; XNNPACK runs it), or "8da4w-e8": 8da4w plus the token
 embedding as int8 with one fp32 scale per row (torchao IntxWeightOnlyConfig, as optimum-executorch's
 --qembedding 8w), which ExecuTorch's quant fusion turns into quantized_decomposed::embedding_byte
-(kernel: libexecutorch_kernels_quantized). SmolLM2's fp32 embedding is 113 MB, more than all its int4
-linears; int8 makes it 28 MB. A tied LM head keeps its own int4 copy: XNNPACK packs its linears'
+(kernel: libexecutorch_kernels_quantized, registered by toolkit.native.load_executorch_kernels and
+linked by the native runner). SmolLM2's fp32 embedding is 113 MB, more than all its int4 linears;
+int8 makes it 28 MB. A tied LM head keeps its own int4 copy: XNNPACK packs its linears'
 weights into its own buffers, so the gather cannot share them.
 """
 
@@ -49,18 +50,6 @@ def _quantize_embeddings_int8(model: torch.nn.Module) -> None:
 
     quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)),
               filter_fn=lambda m, fqn: isinstance(m, torch.nn.Embedding))
-
-
-def load_quantized_kernels() -> None:
-    """Register ExecuTorch's quantized kernels (embedding_byte) with the runtime of portable_lib, which
-    does not carry them (import portable_lib first: one runtime per process)."""
-    import ctypes
-
-    import executorch
-    import executorch.extension.pybindings.portable_lib  # noqa: F401
-
-    ctypes.CDLL(str(Path(executorch.__path__[0]) / "lib" / "libexecutorch_kernels_quantized.so"),
-                mode=ctypes.RTLD_GLOBAL)
 
 
 def _partitioner():

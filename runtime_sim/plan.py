@@ -22,9 +22,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from toolkit.errors import ArtifactError, SpecError
-from toolkit.fidelity import DEFAULT_SPECS, parse_spec
 from toolkit.pool_layout import VALID_BLOCK_SIZES, PoolLayout
-from toolkit.quant import KVQuantSpec, bytes_per_token, fp16_bytes_per_token, fp_stage_bytes_per_sequence
+from toolkit.kv_spec import (
+    DEFAULT_SPECS,
+    KVQuantSpec,
+    bytes_per_token,
+    fp16_bytes_per_token,
+    fp_stage_bytes_per_sequence,
+    parse_spec,
+)
 
 DEFAULT_CTX = 8192
 
@@ -357,3 +363,61 @@ __all__ = [
     "DEFAULT_CTX", "DEFAULT_SPECS", "Dims", "KNOWN_DIMS", "KNOWN_WINDOWS", "as_dims", "grouped_fit", "load_windows", "blocks_for_budget", "contiguous_buffer_bytes",
     "format_bytes", "load_dims", "parse_size", "plan", "pool_fixed_bytes", "pool_layout", "rich_table",
 ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole process: weights + pool + activations + the runtime itself
+
+# The runtime's own resident bytes with no model to speak of: shared libraries + heap + stacks, measured
+# with pagedkv-runner (android_demo/native) on the tiny test model (tests/test_runner_cli.py's
+# fixture: 7.5 MiB of libraries + 4.3 MiB of heap, of which ~4 MiB are that model's packed weights),
+# and with benchmarks/_e2e_worker.py's onnxruntime path before loading a model (python + numpy +
+# onnxruntime + tokenizers imported).
+RUNTIME_BASE_BYTES = {"runner": 8 * 2**20, "onnxruntime": 70 * 2**20}
+
+
+def whole_process_estimate(art_dir, pool_bytes: int | None = None, runtime: str = "runner") -> dict:
+    """Peak resident bytes of a process serving the artifacts in art_dir, by part:
+
+    * weights: the model file's size. The runner maps the .pte (ExecuTorch Module, LoadMode::Mmap);
+      XNNPACK packs the linears' weights into its heap and frees their pages of the file, the rest
+      (e.g. the token embedding, gathered by a portable or quantized kernel) is read from the mapping:
+      either way each weight byte is resident about once. onnxruntime reads the .onnx into its heap.
+    * pool: the KV pool the budget commits (pool_bytes, at most the exported pool's total_bytes).
+    * activations: the .pte's planned activation arena (sized by its max_tokens_per_call), or for
+      onnxruntime the same estimate from the logits of one prefill chunk.
+    * runtime: RUNTIME_BASE_BYTES (libraries, heap, stacks).
+    """
+    import json
+
+    art = Path(art_dir)
+    try:
+        manifest = json.loads((art / "pagedkv.json").read_text())
+        manifest["model"], manifest["pool"]  # noqa: B018
+    except (OSError, ValueError, KeyError) as e:
+        raise ArtifactError(f"{art} has no valid pagedkv.json ({e}): pass an artifacts dir made by `pagedkv export`.") \
+            from None
+    fmt = "pte" if runtime == "runner" else "onnx"
+    entry = manifest.get("artifacts", {}).get(fmt)
+    if entry is None:
+        raise ArtifactError(f"{art} has no {fmt} artifact: export it with `pagedkv export --format {fmt}`.")
+    weights = sum(p.stat().st_size for p in art.iterdir() if p.name.startswith(Path(entry["file"]).stem + ".")
+                  and p.suffix != ".json")
+    total_pool = int(manifest["pool"]["total_bytes"])
+    pool = total_pool if pool_bytes is None else min(int(pool_bytes), total_pool)
+    if fmt == "pte":
+        activations = int(entry["arena_bytes"][0])
+    else:
+        chunk = int(entry.get("max_tokens_per_call", PLAN_CHUNK))
+        activations = 3 * chunk * int(manifest["model"]["vocab_size"]) * 4  # logits + two temporaries
+    base = RUNTIME_BASE_BYTES[runtime]
+    return {"runtime": runtime, "weights_bytes": weights, "pool_bytes": pool, "activations_bytes": activations,
+            "runtime_bytes": base, "total_bytes": weights + pool + activations + base,
+            "weights": entry.get("weights", "fp32")}
+
+
+def print_process_estimate(est: dict, console) -> None:
+    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+    console.print(f"whole process ({est['runtime']}, weights {est['weights']}): weights {mib(est['weights_bytes'])} + "
+                  f"KV pool {mib(est['pool_bytes'])} + activations {mib(est['activations_bytes'])} + runtime "
+                  f"{mib(est['runtime_bytes'])} = [bold]{mib(est['total_bytes'])}[/] peak resident (estimate)")

@@ -122,3 +122,55 @@ def test_layer_pools_start_on_a_cache_line(spec_name):
     assert arrays[0].dtype == np.dtype(layout.codes_dtype_name)
     b = zeros_aligned((3, 5), np.float16, align=256)
     assert b.ctypes.data % 256 == 0 and b.shape == (3, 5) and b.dtype == np.float16
+
+
+def _fake_artifacts(tmp_path, fmt="pte", weight_bytes=1000, total_pool=5000, arena0=300):
+    import json
+
+    entry = {"file": f"model.{fmt}", "weights": "8da4w", "max_tokens_per_call": 16}
+    if fmt == "pte":
+        entry["arena_bytes"] = [arena0, total_pool // 2, total_pool // 2]
+    (tmp_path / f"model.{fmt}").write_bytes(b"\0" * weight_bytes)
+    (tmp_path / "pagedkv.json").write_text(json.dumps({"model": {"vocab_size": 100}, "pool": {"total_bytes": total_pool},
+                                                       "artifacts": {fmt: entry}}))
+    return tmp_path
+
+
+def test_whole_process_estimate_adds_the_parts(tmp_path):
+    from runtime_sim.plan import RUNTIME_BASE_BYTES, whole_process_estimate
+
+    art = _fake_artifacts(tmp_path)
+    est = whole_process_estimate(art, pool_bytes=2000)
+    assert est["weights_bytes"] == 1000 and est["pool_bytes"] == 2000 and est["activations_bytes"] == 300
+    assert est["total_bytes"] == 1000 + 2000 + 300 + RUNTIME_BASE_BYTES["runner"]
+    # the budget commits at most the exported pool
+    assert whole_process_estimate(art, pool_bytes=10**9)["pool_bytes"] == 5000
+    assert whole_process_estimate(art)["pool_bytes"] == 5000
+
+
+def test_whole_process_estimate_onnx_and_errors(tmp_path):
+    from runtime_sim.plan import RUNTIME_BASE_BYTES, whole_process_estimate
+
+    art = _fake_artifacts(tmp_path, fmt="onnx")
+    (tmp_path / "model.onnx.data").write_bytes(b"\0" * 500)  # external data counts as weights
+    est = whole_process_estimate(art, runtime="onnxruntime")
+    assert est["weights_bytes"] == 1500
+    assert est["activations_bytes"] == 3 * 16 * 100 * 4
+    assert est["total_bytes"] == 1500 + 5000 + 3 * 16 * 100 * 4 + RUNTIME_BASE_BYTES["onnxruntime"]
+    with pytest.raises(ArtifactError, match="no pte artifact"):
+        whole_process_estimate(art, runtime="runner")
+    with pytest.raises(ArtifactError, match="pagedkv.json"):
+        whole_process_estimate(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("module", ["runtime_sim.plan", "runtime_sim.simulate", "toolkit.kv_spec", "toolkit.manifest",
+                                    "toolkit.pool_layout", "toolkit.block_pool", "toolkit.cli"])
+def test_light_modules_do_not_import_torch(module):
+    """Planning, simulation, the pool manager, the manifest and the CLI's start-up run without torch
+    (a fresh interpreter, so this test's own imports do not count)."""
+    import subprocess
+    import sys
+
+    code = f"import sys, {module}; heavy = [m for m in ('torch', 'transformers', 'onnx') if m in sys.modules]; print(heavy)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", f"importing {module} imports {out}"

@@ -385,6 +385,9 @@ def plan_cmd(
                                  "fp16 tail/sink rows per conversation)."),
     ctx: int = typer.Option(8192, "--ctx", help="Max context a contiguous fp16 cache is preallocated for."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of a table."),
+    artifacts: Optional[Path] = typer.Option(None, "--artifacts", help="Also estimate the whole process serving "
+                                             "this artifacts dir with a pool of --ram: weights + pool + "
+                                             "activations + runtime (the .pte runner, else onnxruntime)."),
 ):
     """Tokens of KV cache that fit in a RAM budget per spec, and the allocations a paged pool needs vs a
     contiguous fp16 cache."""
@@ -395,10 +398,17 @@ def plan_cmd(
     from runtime_sim.plan import parse_size, plan as make_plan, rich_table
 
     result = make_plan(model, parse_size(ram), list(spec or []) or None, block_size, max_seqs, ctx, model_name=model)
+    if artifacts is not None:
+        from runtime_sim.plan import print_process_estimate, whole_process_estimate
+
+        runtime = "runner" if (artifacts / "model.pte").is_file() else "onnxruntime"
+        result["process"] = whole_process_estimate(artifacts, pool_bytes=parse_size(ram), runtime=runtime)
     if as_json:
         print(json.dumps(result))
     else:
         Console().print(rich_table(result))
+        if artifacts is not None:
+            print_process_estimate(result["process"], Console())
 
 
 @app.command("simulate")

@@ -81,12 +81,16 @@ def load_executorch_kernels() -> ctypes.CDLL:
     """Register the pagedkv ExecuTorch kernels with the runtime of executorch's portable_lib (once).
 
     portable_lib must be imported first: it carries the runtime our library links against, and
-    loading two copies of the runtime aborts the process.
+    loading two copies of the runtime aborts the process. ExecuTorch's quantized kernels are registered
+    too: portable_lib does not carry them, and .pte weights 8da4w-e8 gather with embedding_byte.
     """
     global _et_handle
     if _et_handle is None:
+        import executorch
         import executorch.extension.pybindings.portable_lib  # noqa: F401
 
+        quantized = Path(executorch.__path__[0]) / "lib" / "libexecutorch_kernels_quantized.so"
+        ctypes.CDLL(str(quantized), mode=ctypes.RTLD_GLOBAL)
         _et_handle = ctypes.CDLL(et_library_path(), mode=ctypes.RTLD_GLOBAL)
     return _et_handle
 
