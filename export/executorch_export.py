@@ -122,7 +122,9 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
     # one block table per layer group (the first alone for a model without sliding layers)
     tables = [torch.zeros(layout.max_seqs, 2, dtype=torch.int64) for _ in paged.groups]
     example = (torch.zeros(1, 2, dtype=torch.int64), torch.arange(2), torch.zeros(2, dtype=torch.int64), *tables)
-    dyn = ({1: t}, {0: t}, {0: t}, {1: m}, tuple({1: m} for _ in tables[1:]))
+    dyn = ({1: t}, {0: t}, {0: t}, {1: m})
+    if len(tables) > 1:  # *more_tables: one varargs entry (none at all for one table, as before groups)
+        dyn += (tuple({1: m} for _ in tables[1:]),)
     t0 = time.time()
     with torch.no_grad():
         exported = torch.export.export(paged, example, dynamic_shapes=dyn, strict=False)
