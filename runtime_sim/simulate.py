@@ -43,8 +43,7 @@ from runtime_sim.plan import (
 from toolkit.block_pool import BlockPool
 from toolkit.errors import PoolExhausted, SpecError
 from toolkit.pool_layout import check_block_size
-from toolkit.fidelity import parse_spec
-from toolkit.quant import bytes_per_token, fp16_bytes_per_token
+from toolkit.kv_spec import bytes_per_token, fp16_bytes_per_token, parse_spec
 
 PAGE = 4096
 STRATEGIES = ("contiguous-fp16", "paged-fp16", "paged-quant")

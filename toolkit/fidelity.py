@@ -26,24 +26,10 @@ import time
 import torch
 
 from toolkit.errors import PagedKVError, SpecError
-from toolkit.quant import KVQuantSpec, bytes_per_token, fp16_bytes_per_token, resolve_spec
+from toolkit.kv_spec import DEFAULT_SPECS, parse_spec  # noqa: F401  (part of this module's interface)
+from toolkit.quant import bytes_per_token, fp16_bytes_per_token
 
 REFERENCE = "fp32"
-DEFAULT_SPECS = ["fp16", "q8_0-q4_0", "et-int8", "default", "best", "k4v4", "k5v4"]
-
-
-# ----------------------------------------------------------------------------------------------
-# Spec names
-
-
-def parse_spec(text: str | KVQuantSpec | tuple) -> tuple[str, KVQuantSpec]:
-    """'default' | 'default:v_group=16,v_sym=true' | (name, KVQuantSpec) | KVQuantSpec -> (row name, spec).
-    The text is parsed by toolkit.kv_spec.resolve_spec (the one spec parser)."""
-    if isinstance(text, tuple):
-        return text[0], text[1]
-    if isinstance(text, KVQuantSpec):
-        return text.describe(), text
-    return text, resolve_spec(text)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -184,6 +184,20 @@ def resolve_spec(spec: "str | dict | KVQuantSpec") -> KVQuantSpec:
     return spec_from_dict(changes, PRESETS[base], f"'{spec}'")
 
 
+# The specs `pagedkv eval`, `pagedkv plan` and the benchmarks compare unless told otherwise.
+DEFAULT_SPECS = ["fp16", "q8_0-q4_0", "et-int8", "default", "best", "k4v4", "k5v4"]
+
+
+def parse_spec(text: "str | KVQuantSpec | tuple") -> "tuple[str, KVQuantSpec]":
+    """A table row's (name, spec): 'default' | 'default:v_group=16,v_sym=true' (named as written) |
+    (name, KVQuantSpec) | KVQuantSpec (named by describe()). Text goes through resolve_spec."""
+    if isinstance(text, tuple):
+        return text[0], text[1]
+    if isinstance(text, KVQuantSpec):
+        return text.describe(), text
+    return text, resolve_spec(text)
+
+
 # ----------------------------------------------------------------------------------------------
 # Record sizes
 
