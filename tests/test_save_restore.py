@@ -254,3 +254,36 @@ def test_write_is_atomic(tmp_path, monkeypatch):
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["c.pkvc"]
     a.save(c, path)
     assert cf.read(path).tokens == PROMPT + [7, 8, 9]
+
+
+# ------------------------------------------------------------------------ exported model: ORT and ET
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    from export.artifacts import PoolRequest, export_artifacts
+
+    out = tmp_path_factory.mktemp("exported") / "tiny"
+    export_artifacts("tiny-llama", out, ("onnx", "pte"), "default", PoolRequest(pool_tokens=256, max_seqs=2),
+                     max_tokens_per_call=32, model_and_tokenizer=(tiny_model("llama"), None))
+    return out
+
+
+@pytest.mark.parametrize("backend,native", [("onnxruntime", True), ("onnxruntime", False), ("executorch", None)],
+                         ids=["ort-native", "ort-fallback", "executorch"])
+def test_round_trip_exported_logits_bit_for_bit(exported, tmp_path, backend, native):
+    from runtime_sim.session import open_artifacts
+
+    a = open_artifacts(exported, backend, native=native, prefill_chunk=16)
+    ca = a.new_conversation()
+    list(a.generate(ca, PROMPT, 4))
+    a.save(ca, tmp_path / "c.pkvc")
+    # a fresh engine that has never run a step (ExecuTorch finds its pool buffers on a scratch step)
+    b = open_artifacts(exported, backend, native=native, prefill_chunk=16)
+    cb = b.restore(tmp_path / "c.pkvc")
+    assert b.counters.prefill_tokens == 0
+    continue_both(a, ca, b, cb)
+    other = "executorch" if backend == "onnxruntime" else "onnxruntime"
+    c = open_artifacts(exported, other)
+    with pytest.raises(PagedKVError, match="another model"):
+        c.restore(tmp_path / "c.pkvc")  # the other artifact of the export is another model file
