@@ -48,6 +48,11 @@ def _quantize_embeddings_int8(model: torch.nn.Module) -> None:
     from torchao.quantization import IntxWeightOnlyConfig, quantize_
     from torchao.quantization.granularity import PerAxis
 
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Embedding):
+            # padding_idx only shapes gradients; as an argument of aten.embedding it keeps the
+            # dequantize + embedding pattern from fusing (then the program has no kernel for it)
+            mod.padding_idx = None
     quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)),
               filter_fn=lambda m, fqn: isinstance(m, torch.nn.Embedding))
 
