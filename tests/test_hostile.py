@@ -68,7 +68,9 @@ def pagedkv(*args, stdin=None, env=None):
 def one_line_error(proc, needle: str) -> str:
     """Exit 2, one line on stderr starting with 'error:' and containing needle, no traceback."""
     err = proc.stderr.decode("utf-8", "replace") if isinstance(proc.stderr, bytes) else proc.stderr
-    lines = [ln for ln in err.splitlines() if ln.strip()]
+    # ExecuTorch's runtime logs its CPU probing ("[cpuinfo_utils.cpp:71] ...") the first time its threadpool
+    # starts in a process: native log lines, not our message
+    lines = [ln for ln in err.splitlines() if ln.strip() and not re.match(r"\[\w+\.cpp:\d+\]", ln)]
     assert proc.returncode == 2, err
     assert len(lines) == 1 and lines[0].startswith("error:"), err
     assert needle in lines[0], err
