@@ -472,16 +472,6 @@ def test_cli_export_with_spec_override_and_force(copy, tmp_path):
     assert cli("run", copy, "--prompt", "hi", "-n", "2").returncode == 0
 
 
-def test_forced_export_replaces_the_dir_whole(copy):
-    (copy / "stale.bin").write_bytes(b"old")
-    man = export_artifacts("tiny-llama", copy, ("onnx",), {"k_bits": 4, "k_group": 32}, PoolRequest(pool_tokens=64),
-                           model_and_tokenizer=(tiny_model("llama", num_layers=1), None), force=True)
-    assert not (copy / "stale.bin").exists() and not (copy / "tokenizer.json").exists()
-    assert man["pool"]["spec"]["k_bits"] == 4 and man["tokenizer_files"] == []
-    assert read_manifest(copy) == man
-    _no_leftovers(copy.parent)
-
-
 # ----------------------------------------------------------------------------------------------
 # The op's metadata (plain-PyTorch reference)
 
