@@ -6,6 +6,8 @@ tokens the cache does not hold yet; the conversation's blocks stay in the pool b
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Iterator
 
 from runtime_sim.engine import Engine, Sampling
@@ -37,6 +39,42 @@ class ChatSession:
         """Forget the conversation; its blocks return to the pool at once."""
         self.engine.clear(self.cid)
         self._reset_messages()
+
+    # -- /save NAME, /load NAME (the file format: toolkit/CONVERSATION_FORMAT.md) --------------------
+
+    def save(self, path) -> int:
+        """Write the conversation's cache and its messages (the file's app bytes). Returns its size."""
+        app = json.dumps({"system_prompt": self.system_prompt, "messages": self.messages}).encode()
+        return self.engine.save(self.cid, path, app)
+
+    def load(self, path) -> None:
+        """Replace this chat with a saved one, its cache restored without prefill. On any error the
+        current chat is kept as it was."""
+        from runtime_sim import conversation_file as cf
+        from toolkit.errors import PoolStateError
+
+        d = cf.read(path)
+        try:
+            meta = json.loads(d.app.decode("utf-8"))
+            messages = meta["messages"]
+            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in messages):
+                raise ValueError
+        except (ValueError, TypeError, KeyError):
+            raise cf.ConversationFileError(f"conversation file {path} holds no chat messages: it was not saved by "
+                                           "`pagedkv chat` (/save NAME).") from None
+        try:
+            cid = cf.restore_data(self.engine, d, path)
+            self.engine.close(self.cid)
+        except (PoolExhausted, PoolStateError):  # no room beside the current chat: swap it out, back on error
+            old = cf.capture(self.engine, self.cid)
+            self.engine.close(self.cid)
+            try:
+                cid = cf.restore_data(self.engine, d, path)
+            except BaseException:
+                self.cid = cf.restore_data(self.engine, old, "(the current chat)")
+                raise
+        self.cid, self.messages, self.system_prompt = cid, messages, meta.get("system_prompt")
 
     def send(self, text: str, max_new_tokens: int = 128, sampling: Sampling | None = None) -> Iterator[str]:
         """Stream the reply to `text`. A turn that fails (pool exhausted, a template that rejects the
@@ -102,3 +140,12 @@ class ChatSession:
         if len(reply) > len(shown):
             yield reply[len(shown):]
         self.messages.append({"role": "assistant", "content": reply})
+
+
+def conversation_path(name: str) -> Path:
+    """/save NAME and /load NAME: NAME is a file path; '.pkvc' is added when it has no suffix."""
+    name = name.strip()
+    if not name:
+        raise PagedKVError("give a name: /save NAME or /load NAME (a file path; .pkvc is added).")
+    p = Path(name).expanduser()
+    return p if p.suffix else p.with_suffix(".pkvc")

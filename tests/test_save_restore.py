@@ -4,8 +4,12 @@ A restored conversation must give the next token's logits bit for bit equal to t
 was saved (same backend, no prefill); every bad file is one PagedKVError and leaves the pool as it was.
 """
 
+import os
 import struct
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +21,8 @@ from toolkit.compiler import compile
 from toolkit.errors import PagedKVError, PoolExhausted
 from toolkit.tiny_models import tiny_model
 
+REPO = Path(__file__).resolve().parent.parent
+WIKI = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 PROMPT = list(range(3, 43))  # 40 tokens: 2 full blocks and a partial one
 
 
@@ -263,9 +269,12 @@ def test_write_is_atomic(tmp_path, monkeypatch):
 def exported(tmp_path_factory):
     from export.artifacts import PoolRequest, export_artifacts
 
+    from toolkit.tiny_models import tiny_bpe_tokenizer
+
+    lines = [ln for ln in WIKI.read_text(encoding="utf-8").splitlines() if ln.strip()][:2000]
     out = tmp_path_factory.mktemp("exported") / "tiny"
     export_artifacts("tiny-llama", out, ("onnx", "pte"), "default", PoolRequest(pool_tokens=256, max_seqs=2),
-                     max_tokens_per_call=32, model_and_tokenizer=(tiny_model("llama"), None))
+                     max_tokens_per_call=32, model_and_tokenizer=(tiny_model("llama"), tiny_bpe_tokenizer(lines)))
     return out
 
 
@@ -287,3 +296,47 @@ def test_round_trip_exported_logits_bit_for_bit(exported, tmp_path, backend, nat
     c = open_artifacts(exported, other)
     with pytest.raises(PagedKVError, match="another model"):
         c.restore(tmp_path / "c.pkvc")  # the other artifact of the export is another model file
+
+
+def test_chat_save_and_load_continue_the_same_chat(exported, tmp_path):
+    """ChatSession.save/load: the loaded chat answers the next message exactly as the saved one does,
+    prefilling only the new message; a load that cannot fit beside the current chat swaps it out."""
+    from runtime_sim.chat import ChatSession
+    from runtime_sim.session import open_artifacts
+
+    a = open_artifacts(exported, "onnxruntime", prefill_chunk=16)
+    sa = ChatSession(a, "Be brief.")
+    "".join(sa.send("The tower is", 12))
+    sa.save(tmp_path / "chat.pkvc")
+    b = open_artifacts(exported, "onnxruntime", prefill_chunk=16)
+    sb = ChatSession(b)
+    sb2 = ChatSession(b)  # both sequence slots (max_seqs=2) in use: load swaps sb's empty chat out
+    sb.load(tmp_path / "chat.pkvc")
+    assert sb.messages == sa.messages and sb.system_prompt == "Be brief."
+    before_a, before_b = a.counters.prefill_tokens, b.counters.prefill_tokens
+    assert "".join(sb.send("and then", 12)) == "".join(sa.send("and then", 12))
+    # the loaded chat prefilled what the saved one did for this turn, nothing of the restored cache
+    assert b.counters.prefill_tokens - before_b == a.counters.prefill_tokens - before_a
+    with pytest.raises(PagedKVError, match="no chat messages"):
+        a.save(sa.cid, tmp_path / "raw.pkvc")
+        sb2.load(tmp_path / "raw.pkvc")
+    assert sb2.messages == [] and len(b.conversations) == 2
+
+
+def test_chat_cli_save_then_load_in_a_new_process(exported, tmp_path):
+    def chat(stdin):
+        proc = subprocess.run([sys.executable, "-m", "toolkit.cli", "chat", str(exported), "-n", "8"], input=stdin,
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                              env={**os.environ, "COLUMNS": "200"})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout + proc.stderr
+
+    whole = chat("The tower is\nand then\n")
+    first = chat("The tower is\n/save mychat\n")
+    assert "[saved mychat.pkvc" in first and (tmp_path / "mychat.pkvc").is_file()
+    second = chat("/load mychat\nand then\n")
+    assert "[loaded mychat.pkvc: 2 messages" in second
+    reply = lambda out: [ln for ln in out.splitlines() if ln.startswith("> ")][-1]  # noqa: E731
+    assert reply(second).split("> ")[-1] == reply(whole).split("> ")[-1]
+    bad = chat("/load nothing-here\n/save\n")
+    assert "does not exist" in bad and "give a name" in bad

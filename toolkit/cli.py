@@ -299,7 +299,8 @@ def chat(
     threads: int = typer.Option(0, "--threads", "-t", help="Threads of the runtime (onnxruntime's intra-op pool / "
                                 "ExecuTorch's threadpool / torch), which the attention kernel shares; 0 = its default."),
 ):
-    """Interactive chat. Commands: /clear (free this chat's blocks), /stats, /new (another chat), /help, /quit.
+    """Interactive chat. Commands: /clear (free this chat's blocks), /stats, /new (another chat), /save NAME and
+    /load NAME (the chat and its KV cache to/from a file, restored without prefill), /help, /quit.
     Ctrl-C stops the reply being written; a turn that fails leaves the conversation as it was."""
     if system is not None:
         check_text("--system", system)
@@ -341,6 +342,19 @@ def chat(
                 print("[cleared]")
             elif line == "/stats":
                 _print_stats(engine.stats())
+            elif line.split()[0] in ("/save", "/load"):
+                from runtime_sim.chat import conversation_path
+
+                try:
+                    path = conversation_path(line[5:])
+                    if line.startswith("/save"):
+                        print(f"[saved {path}: {cur.save(path)} bytes]")
+                    else:
+                        cur.load(path)
+                        print(f"[loaded {path}: {len(cur.messages)} messages, "
+                              f"{len(engine.conversations[cur.cid].history)} tokens cached]")
+                except PagedKVError as e:
+                    console.print(f"[red]{e}[/]")
             elif line == "/new":
                 try:
                     cur = ChatSession(engine, system)
@@ -366,7 +380,8 @@ def chat(
             console.print(f"[red]{e}[/] [dim](the message was not kept)[/]")
 
 
-CHAT_HELP = ("/clear (forget this chat, free its blocks)  /stats (pool use)  /new (another chat)  /help  /quit; "
+CHAT_HELP = ("/clear (forget this chat, free its blocks)  /stats (pool use)  /new (another chat)  "
+             "/save NAME, /load NAME (the chat and its cache to/from a file)  /help  /quit; "
              "Ctrl-C stops a reply")
 
 
