@@ -211,6 +211,13 @@ def parse(raw: bytes, path="(bytes)") -> ConversationData:
                               for k, v in zip(SPEC_FIELDS, spec_vals)}).validate(head_dim)
     except PagedKVError as e:
         _fail(path, f"holds an invalid KV spec ({e})")
+    from toolkit.kv_spec import record_layout
+
+    rec = record_layout(spec, head_dim)
+    want = (4 if spec.k_bits == 32 else 2, 2 * head_dim * (4 if spec.k_bits == 32 else 2), 0) if spec.is_float else \
+        (1, rec.code_width, 2 * rec.scale_width)
+    if (itemsize, code_bytes, scale_bytes) != want:
+        _fail(path, "has record sizes its spec does not give (damaged)")
     n_blocks = -(-n_tokens // bs)
     groups, seen = [], set()
     for _ in range(n_groups):

@@ -167,7 +167,13 @@ def _version(data):
     return reseal(data[:8] + struct.pack("<I", 2) + data[12:])
 
 
-def _spec_field(data):  # k_bits 8 -> 6: a valid spec, but not the engine's
+def _spec_field(data):  # rotate 1 -> 0: a valid spec of the same record sizes, but not the engine's
+    off = 8 + 4 + 32 + 16 + 6 * 4
+    assert struct.unpack_from("<I", data, off) == (1,)
+    return reseal(data[:off] + struct.pack("<I", 0) + data[off + 4:])
+
+
+def _sizes(data):  # k_bits 8 -> 6 without the record sizes that go with it
     off = 8 + 4 + 32 + 16
     return reseal(data[:off] + struct.pack("<I", 6) + data[off + 4:])
 
@@ -193,6 +199,7 @@ BAD = {
     "tampered-token": (lambda d: d[:200] + bytes([d[200] ^ 0x40]) + d[201:], "checksum"),
     "version": (_version, "format version 2"),
     "other-spec": (_spec_field, "KV spec"),
+    "record-sizes": (_sizes, "record sizes"),
     "extra-bytes": (lambda d: reseal(d[:-4] + b"\0" * 8 + d[-4:]), "unexpected byte"),
     "hole": (_hole, "would not keep"),
 }
@@ -340,3 +347,66 @@ def test_chat_cli_save_then_load_in_a_new_process(exported, tmp_path):
     assert reply(second).split("> ")[-1] == reply(whole).split("> ")[-1]
     bad = chat("/load nothing-here\n/save\n")
     assert "does not exist" in bad and "give a name" in bad
+
+
+# ------------------------------------------------------------- the Android runner's reader and writer
+
+
+@pytest.fixture(scope="module")
+def cpp_tool(tmp_path_factory):
+    """android_demo/native's conversation_file.cpp with its test tool, compiled with the host's g++."""
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.fail("g++ not installed: apt-get install -y g++")
+    native = REPO / "android_demo" / "native"
+    exe = tmp_path_factory.mktemp("cpp") / "conversation_file_tool"
+    subprocess.run(["g++", "-std=c++17", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror",
+                    f"-I{native / 'src'}", f"-I{native / 'tests'}", str(native / "tests" / "conversation_file_tool.cpp"),
+                    str(native / "src" / "conversation_file.cpp"), "-o", str(exe)], check=True, timeout=300)
+    return exe
+
+
+def test_cpp_selftest(cpp_tool):
+    out = subprocess.run([cpp_tool, "selftest"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "7 passed, 0 failed" in out.stdout, out.stdout
+
+
+def test_python_file_read_by_cpp_and_cpp_file_read_by_python(cpp_tool, tmp_path):
+    import json
+
+    a = torch_engine("default", "gemma3", num_blocks=12, sliding_blocks=6)
+    ca = a.new_conversation()
+    list(a.generate(ca, list(range(3, 90)), 4))
+    py = tmp_path / "py.pkvc"
+    a.save(ca, py, app=b'{"messages": [{"role": "user", "content": "hi"}]}')
+    d = cf.read(py)
+    got = json.loads(subprocess.run([cpp_tool, "dump", py], capture_output=True, text=True, check=True).stdout)
+    crc = lambda arrays: [zlib.crc32(np.ascontiguousarray(x).tobytes()) for x in arrays]  # noqa: E731
+    assert got == {
+        "model_sha256": d.model_sha256.hex(), "dims": [d.num_layers, d.num_kv_heads, d.head_dim, d.block_size],
+        "spec": [int(getattr(d.spec, k)) for k in cf.SPEC_FIELDS],
+        "records": [d.codes_itemsize, d.code_bytes, d.scale_bytes, int(d.has_stage)],
+        "tokens": d.tokens, "pending": d.pending, "app_hex": d.app.hex(),
+        "groups": [{"window": g.window, "layers": list(g.layers), "present": [int(p) for p in g.present]}
+                   for g in d.groups],
+        "codes_crc": crc(d.codes), "scales_crc": crc(d.scales), "stage_crc": crc(d.stage)}
+    assert any(0 in g["present"] for g in got["groups"])  # the sliding group's holes crossed over
+    # C++ writes it again: the same bytes, and Python restores the C++ file bit for bit
+    cpp = tmp_path / "cpp.pkvc"
+    subprocess.run([cpp_tool, "copy", py, cpp], check=True, capture_output=True)
+    assert cpp.read_bytes() == py.read_bytes()
+    b = torch_engine("default", "gemma3", num_blocks=12, sliding_blocks=6)
+    cb = b.restore(cpp)
+    continue_both(a, ca, b, cb, steps=3)
+
+
+@pytest.mark.parametrize("case", ["empty", "magic", "truncated", "truncated-resealed", "tampered-block",
+                                  "tampered-token", "version", "extra-bytes", "record-sizes"])
+def test_cpp_rejects_bad_files_in_one_line(cpp_tool, saved, tmp_path, case):
+    make, expect = BAD[case]
+    path = tmp_path / "bad.pkvc"
+    path.write_bytes(make(saved))
+    out = subprocess.run([cpp_tool, "dump", path], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and expect in out.stderr, out.stderr

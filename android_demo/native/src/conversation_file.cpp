@@ -1,0 +1,329 @@
+#include "conversation_file.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "errors.h"
+
+namespace pagedkv_rt {
+
+namespace {
+
+const char kMagic[8] = {'P', 'K', 'V', 'C', 'O', 'N', 'V', '\0'};
+// sanity bounds (the Python reader's): a header field past these is damage, not a conversation
+constexpr uint32_t kMaxLayers = 4096, kMaxHeads = 4096, kMaxHeadDim = 4096, kMaxTokens = 1u << 26;
+
+[[noreturn]] void fail(const std::string& where, const std::string& what,
+                       const std::string& fix = "it cannot be restored; save the conversation again") {
+  throw RunnerError(ErrorCode::kArgument, "conversation file " + where + " " + what + ": " + fix + ".");
+}
+
+bool is_float_bits(uint32_t b) { return b == 16 || b == 32; }
+
+// The spec is one the pool format allows (toolkit/kv_spec.py KVQuantSpec.validate, the parts that
+// decide the record sizes); returns false otherwise.
+bool spec_valid(const ConvSpec& s, uint32_t d) {
+  auto bits_ok = [](uint32_t b) { return (b >= 2 && b <= 8) || is_float_bits(b); };
+  if (!bits_ok(s.k_bits) || !bits_ok(s.v_bits) || is_float_bits(s.k_bits) != is_float_bits(s.v_bits)) return false;
+  if (is_float_bits(s.k_bits) && (s.k_bits != s.v_bits || s.rotate || s.fp_tail || s.sink_blocks)) return false;
+  for (uint32_t b : {s.k_sym, s.v_sym, s.rotate, s.fp_tail, s.sink_blocks})
+    if (b > 1) return false;
+  for (uint32_t g : {s.k_group, s.v_group})
+    if (g > d || (g && d % g)) return false;
+  return true;
+}
+
+// Record sizes the spec gives (POOL_FORMAT.md): codes bytes, scales bytes, codes item size.
+void record_sizes(const ConvSpec& s, uint32_t d, uint32_t* code_bytes, uint32_t* scale_bytes, uint32_t* itemsize) {
+  if (is_float_bits(s.k_bits)) {
+    *itemsize = s.k_bits / 8;
+    *code_bytes = 2 * d * *itemsize;
+    *scale_bytes = 0;
+    return;
+  }
+  const uint32_t kg = s.k_group ? s.k_group : d, vg = s.v_group ? s.v_group : d;
+  *itemsize = 1;
+  *code_bytes = d * (s.k_bits + s.v_bits) / 8;
+  *scale_bytes = 2 * ((d / kg) * (s.k_sym ? 1 : 2) + (d / vg) * (s.v_sym ? 1 : 2));
+}
+
+struct Reader {
+  const uint8_t* p;
+  size_t n, pos = 0;
+  const std::string& where;
+  const uint8_t* take(size_t k, const char* what) {
+    if (k > n - pos) fail(where, std::string("is truncated (it ends inside the ") + what + ")");
+    const uint8_t* out = p + pos;
+    pos += k;
+    return out;
+  }
+  uint32_t u32(const char* what) {
+    const uint8_t* b = take(4, what);
+    return static_cast<uint32_t>(b[0]) | static_cast<uint32_t>(b[1]) << 8 | static_cast<uint32_t>(b[2]) << 16 |
+           static_cast<uint32_t>(b[3]) << 24;
+  }
+};
+
+void put_u32(std::vector<uint8_t>& out, uint32_t v) {
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
+}
+
+void put_bytes(std::vector<uint8_t>& out, const void* p, size_t n) {
+  const uint8_t* b = static_cast<const uint8_t*>(p);
+  out.insert(out.end(), b, b + n);
+}
+
+}  // namespace
+
+bool ConvSpec::operator==(const ConvSpec& o) const {
+  return k_bits == o.k_bits && v_bits == o.v_bits && k_group == o.k_group && v_group == o.v_group &&
+         k_sym == o.k_sym && v_sym == o.v_sym && rotate == o.rotate && fp_tail == o.fp_tail &&
+         sink_blocks == o.sink_blocks;
+}
+
+std::string ConvSpec::describe() const {
+  std::ostringstream s;
+  s << "K" << k_bits << "/V" << v_bits << " groups " << k_group << "/" << v_group << (k_sym ? " ksym" : " kasym")
+    << (v_sym ? " vsym" : " vasym") << (rotate ? " rotate" : "") << (fp_tail ? " fp_tail" : "")
+    << (sink_blocks ? " sink" : "");
+  return s.str();
+}
+
+size_t ConvGroup::n_present() const {
+  size_t k = 0;
+  for (uint8_t b : present) k += b ? 1 : 0;
+  return k;
+}
+
+uint32_t crc32(const uint8_t* data, size_t n, uint32_t crc) {
+  static uint32_t table[256];
+  static bool init = [] {
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      table[i] = c;
+    }
+    return true;
+  }();
+  (void)init;
+  crc = ~crc;
+  for (size_t i = 0; i < n; ++i) crc = table[(crc ^ data[i]) & 0xFFu] ^ (crc >> 8);
+  return ~crc;
+}
+
+ConversationFile parse_conversation(const uint8_t* data, size_t n, const std::string& where) {
+  if (n < sizeof(kMagic) + 4 || std::memcmp(data, kMagic, sizeof(kMagic)) != 0)
+    fail(where, "is not a pagedkv conversation file (bad magic)", "give a file written by /save or Engine.save");
+  Reader hr{data, n, sizeof(kMagic), where};
+  const uint32_t version = hr.u32("header");
+  if (version != kConversationFormatVersion)
+    fail(where, "has format version " + std::to_string(version) + ", this runner reads " +
+                    std::to_string(kConversationFormatVersion),
+         "restore it with the pagedkv that saved it, or save the conversation again");
+  if (n < sizeof(kMagic) + 8) fail(where, "is truncated (no checksum)");
+  const size_t body = n - 4;
+  Reader tail{data, n, body, where};
+  if (crc32(data, body) != tail.u32("checksum")) fail(where, "is damaged or truncated (checksum mismatch)");
+
+  Reader r{data, body, sizeof(kMagic) + 4, where};
+  ConversationFile f;
+  std::memcpy(f.model_sha256.data(), r.take(32, "model sha256"), 32);
+  f.num_layers = r.u32("header");
+  f.num_kv_heads = r.u32("header");
+  f.head_dim = r.u32("header");
+  f.block_size = r.u32("header");
+  uint32_t* spec[] = {&f.spec.k_bits, &f.spec.v_bits, &f.spec.k_group, &f.spec.v_group, &f.spec.k_sym,
+                      &f.spec.v_sym, &f.spec.rotate, &f.spec.fp_tail, &f.spec.sink_blocks};
+  for (uint32_t* v : spec) *v = r.u32("spec");
+  f.codes_itemsize = r.u32("header");
+  f.code_bytes = r.u32("header");
+  f.scale_bytes = r.u32("header");
+  const uint32_t has_stage = r.u32("header");
+  const uint32_t n_tokens = r.u32("header"), n_pending = r.u32("header"), n_groups = r.u32("header");
+  if (!(f.num_layers >= 1 && f.num_layers <= kMaxLayers && f.num_kv_heads >= 1 && f.num_kv_heads <= kMaxHeads &&
+        f.head_dim >= 1 && f.head_dim <= kMaxHeadDim && (f.block_size == 16 || f.block_size == 32) &&
+        has_stage <= 1 && n_tokens <= kMaxTokens && n_pending <= kMaxTokens && n_groups >= 1 &&
+        n_groups <= f.num_layers))
+    fail(where, "has an impossible header (damaged)");
+  f.has_stage = has_stage == 1;
+  if (!spec_valid(f.spec, f.head_dim)) fail(where, "holds an invalid KV spec (" + f.spec.describe() + ")");
+  uint32_t cb, sb, item;
+  record_sizes(f.spec, f.head_dim, &cb, &sb, &item);
+  if (cb != f.code_bytes || sb != f.scale_bytes || item != f.codes_itemsize)
+    fail(where, "has record sizes its spec does not give (damaged)");
+  const uint32_t n_blocks = (n_tokens + f.block_size - 1) / f.block_size;
+  std::vector<uint8_t> seen(f.num_layers, 0);
+  size_t covered = 0;
+  for (uint32_t g = 0; g < n_groups; ++g) {
+    ConvGroup grp;
+    grp.window = r.u32("layer groups");
+    const uint32_t nl = r.u32("layer groups");
+    if (nl < 1 || nl > f.num_layers) fail(where, "has an impossible layer group (damaged)");
+    for (uint32_t i = 0; i < nl; ++i) {
+      const uint32_t l = r.u32("layer groups");
+      if (l >= f.num_layers || seen[l]) fail(where, "has an impossible layer group (damaged)");
+      seen[l] = 1;
+      ++covered;
+      grp.layers.push_back(l);
+    }
+    const uint32_t nb = r.u32("layer groups");
+    if (nb != n_blocks) fail(where, "has an impossible layer group (damaged)");
+    const uint8_t* pr = r.take(nb, "layer groups");
+    grp.present.assign(pr, pr + nb);
+    for (uint8_t b : grp.present)
+      if (b > 1) fail(where, "has an impossible layer group (damaged)");
+    f.groups.push_back(std::move(grp));
+  }
+  if (covered != f.num_layers) fail(where, "has layer groups that do not cover every layer (damaged)");
+  for (auto* v : {&f.tokens, &f.pending}) {
+    const uint32_t count = v == &f.tokens ? n_tokens : n_pending;
+    const uint8_t* b = r.take(static_cast<size_t>(count) * 4, "tokens");
+    v->resize(count);
+    if (count) std::memcpy(v->data(), b, static_cast<size_t>(count) * 4);  // little-endian hosts only
+    for (int32_t t : *v)
+      if (t < 0) fail(where, "holds a negative token id (damaged)");
+  }
+  const uint32_t n_app = r.u32("application data");
+  const uint8_t* app = r.take(n_app, "application data");
+  f.app.assign(reinterpret_cast<const char*>(app), n_app);
+  f.codes.resize(f.num_layers);
+  f.scales.resize(f.num_layers);
+  for (const ConvGroup& grp : f.groups) {
+    const size_t np = grp.n_present();
+    for (uint32_t l : grp.layers) {
+      const std::string what = "codes of layer " + std::to_string(l);
+      const size_t nc = np * f.block_record_bytes(f.code_bytes);
+      const uint8_t* c = r.take(nc, what.c_str());
+      f.codes[l].assign(c, c + nc);
+      if (f.scale_bytes) {
+        const std::string sw = "scales of layer " + std::to_string(l);
+        const size_t ns = np * f.block_record_bytes(f.scale_bytes);
+        const uint8_t* s = r.take(ns, sw.c_str());
+        f.scales[l].assign(s, s + ns);
+      }
+    }
+  }
+  if (f.has_stage) {
+    f.stage.resize(f.num_layers);
+    for (uint32_t l = 0; l < f.num_layers; ++l) {
+      const std::string what = "stage rows of layer " + std::to_string(l);
+      const uint8_t* s = r.take(f.stage_bytes(), what.c_str());
+      f.stage[l].assign(s, s + f.stage_bytes());
+    }
+  }
+  if (r.pos != body) fail(where, "has " + std::to_string(body - r.pos) + " unexpected byte(s) after its data (damaged)");
+  return f;
+}
+
+ConversationFile read_conversation_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(path, "does not exist or cannot be read", "check the name");
+  std::vector<uint8_t> data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return parse_conversation(data.data(), data.size(), path);
+}
+
+std::vector<uint8_t> encode_conversation(const ConversationFile& f) {
+  const uint32_t n_blocks = (static_cast<uint32_t>(f.tokens.size()) + f.block_size - 1) / f.block_size;
+  auto bad = [](const std::string& m) { throw RunnerError(ErrorCode::kArgument, "cannot encode conversation: " + m); };
+  if (f.codes.size() != f.num_layers || (f.scale_bytes && f.scales.size() != f.num_layers) ||
+      (f.has_stage && f.stage.size() != f.num_layers))
+    bad("one array per layer is needed");
+  std::vector<uint8_t> out(kMagic, kMagic + sizeof(kMagic));
+  put_u32(out, kConversationFormatVersion);
+  put_bytes(out, f.model_sha256.data(), 32);
+  for (uint32_t v : {f.num_layers, f.num_kv_heads, f.head_dim, f.block_size, f.spec.k_bits, f.spec.v_bits,
+                     f.spec.k_group, f.spec.v_group, f.spec.k_sym, f.spec.v_sym, f.spec.rotate, f.spec.fp_tail,
+                     f.spec.sink_blocks, f.codes_itemsize, f.code_bytes, f.scale_bytes,
+                     static_cast<uint32_t>(f.has_stage), static_cast<uint32_t>(f.tokens.size()),
+                     static_cast<uint32_t>(f.pending.size()), static_cast<uint32_t>(f.groups.size())})
+    put_u32(out, v);
+  for (const ConvGroup& g : f.groups) {
+    if (g.present.size() != n_blocks) bad("a group's present list must have one entry per logical block");
+    put_u32(out, g.window);
+    put_u32(out, static_cast<uint32_t>(g.layers.size()));
+    for (uint32_t l : g.layers) put_u32(out, l);
+    put_u32(out, n_blocks);
+    put_bytes(out, g.present.data(), g.present.size());
+  }
+  put_bytes(out, f.tokens.data(), f.tokens.size() * 4);
+  put_bytes(out, f.pending.data(), f.pending.size() * 4);
+  put_u32(out, static_cast<uint32_t>(f.app.size()));
+  put_bytes(out, f.app.data(), f.app.size());
+  for (const ConvGroup& g : f.groups) {
+    const size_t np = g.n_present();
+    for (uint32_t l : g.layers) {
+      if (l >= f.num_layers || f.codes[l].size() != np * f.block_record_bytes(f.code_bytes) ||
+          (f.scale_bytes && f.scales[l].size() != np * f.block_record_bytes(f.scale_bytes)))
+        bad("layer " + std::to_string(l) + "'s records do not match its group's present blocks");
+      put_bytes(out, f.codes[l].data(), f.codes[l].size());
+      if (f.scale_bytes) put_bytes(out, f.scales[l].data(), f.scales[l].size());
+    }
+  }
+  if (f.has_stage)
+    for (const auto& s : f.stage) {
+      if (s.size() != f.stage_bytes()) bad("a stage row block has the wrong size");
+      put_bytes(out, s.data(), s.size());
+    }
+  put_u32(out, crc32(out.data(), out.size()));
+  return out;
+}
+
+size_t write_conversation_file(const std::string& path, const ConversationFile& f) {
+  const std::vector<uint8_t> data = encode_conversation(f);
+  const size_t slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "" : path.substr(0, slash + 1);
+  const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
+  const std::string tmp = dir + "." + name + ".tmp-" + std::to_string(getpid());
+  auto fail_io = [&](const char* what) {
+    const std::string err = std::strerror(errno);
+    unlink(tmp.c_str());
+    throw RunnerError(ErrorCode::kArgument, "cannot write conversation file " + path + " (" + what + ": " + err +
+                                                "): free some space or choose another path; nothing was changed.");
+  };
+  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail_io("open");
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t w = ::write(fd, data.data() + done, data.size() - done);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      close(fd);
+      fail_io("write");
+    }
+    done += static_cast<size_t>(w);
+  }
+  if (fsync(fd) != 0) {
+    close(fd);
+    fail_io("fsync");
+  }
+  if (close(fd) != 0) fail_io("close");
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) fail_io("rename");
+  return data.size();
+}
+
+void check_conversation_compatible(const ConversationFile& f, const ConversationFile& want, const std::string& where) {
+  const std::string fix = "restore it with the artifacts that saved it";
+  if (f.model_sha256 != want.model_sha256) fail(where, "was saved with another model", fix);
+  const std::pair<const char*, std::pair<uint32_t, uint32_t>> dims[] = {
+      {"num_layers", {f.num_layers, want.num_layers}},       {"num_kv_heads", {f.num_kv_heads, want.num_kv_heads}},
+      {"head_dim", {f.head_dim, want.head_dim}},             {"block_size", {f.block_size, want.block_size}},
+      {"codes_itemsize", {f.codes_itemsize, want.codes_itemsize}}, {"code_bytes", {f.code_bytes, want.code_bytes}},
+      {"scale_bytes", {f.scale_bytes, want.scale_bytes}},    {"has_stage", {f.has_stage, want.has_stage}}};
+  for (const auto& d : dims)
+    if (d.second.first != d.second.second)
+      fail(where, std::string("has ") + d.first + "=" + std::to_string(d.second.first) + ", this pool has " +
+                      std::to_string(d.second.second), fix);
+  if (!(f.spec == want.spec))
+    fail(where, "was saved with KV spec " + f.spec.describe() + ", this pool is " + want.spec.describe(), fix);
+  bool same = f.groups.size() == want.groups.size();
+  for (size_t g = 0; same && g < f.groups.size(); ++g)
+    same = f.groups[g].window == want.groups[g].window && f.groups[g].layers == want.groups[g].layers;
+  if (!same) fail(where, "has other layer groups than this pool", fix);
+}
+
+}  // namespace pagedkv_rt

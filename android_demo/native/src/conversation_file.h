@@ -1,0 +1,69 @@
+// The pagedkv conversation file (format version 1): a conversation's KV blocks as they lie in the
+// pool, the fp16 stage rows of its sequence slot, its tokens and the identity a reader checks. The
+// format is documented in toolkit/CONVERSATION_FORMAT.md; runtime_sim/conversation_file.py reads and
+// writes the same bytes (tests/test_save_restore.py checks each side reads the other's files).
+//
+//   ConversationFile f = read_conversation_file(path);   // throws RunnerError(kArgument), one line
+//   check_conversation_compatible(f, want, path);        // same model sha256, dims, spec, groups
+//   write_conversation_file(path, f);                    // atomic: temp file, fsync, rename
+//
+// Plain C++17, no ExecuTorch and no Android headers.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace pagedkv_rt {
+
+constexpr uint32_t kConversationFormatVersion = 1;
+
+struct ConvSpec {  // KVQuantSpec's fields in the file's order (booleans 0/1)
+  uint32_t k_bits = 0, v_bits = 0, k_group = 0, v_group = 0, k_sym = 0, v_sym = 0, rotate = 0, fp_tail = 0,
+           sink_blocks = 0;
+  bool operator==(const ConvSpec& o) const;
+  std::string describe() const;
+};
+
+struct ConvGroup {
+  uint32_t window = 0;             // 0 = global, W = sliding window
+  std::vector<uint32_t> layers;    // the group's layers in the engine's order
+  std::vector<uint8_t> present;    // per logical block: 1 held, 0 a hole
+  size_t n_present() const;
+};
+
+struct ConversationFile {
+  std::array<uint8_t, 32> model_sha256{};
+  uint32_t num_layers = 0, num_kv_heads = 0, head_dim = 0, block_size = 0;
+  ConvSpec spec;
+  uint32_t codes_itemsize = 1, code_bytes = 0, scale_bytes = 0;
+  bool has_stage = false;
+  std::vector<int32_t> tokens, pending;
+  std::vector<ConvGroup> groups;
+  std::string app;  // the application's own bytes (pagedkv chat: its messages as JSON)
+  // per layer: its group's present blocks in logical order, [n_present, Hkv, bs, code_bytes] and
+  // [n_present, Hkv, bs, scale_bytes]; stage: [2, 2, Hkv, bs, head_dim] float16 (raw bytes)
+  std::vector<std::vector<uint8_t>> codes, scales, stage;
+
+  size_t block_record_bytes(uint32_t width) const {  // one block of one layer
+    return static_cast<size_t>(num_kv_heads) * block_size * width;
+  }
+  size_t stage_bytes() const { return 2u * 2u * num_kv_heads * block_size * head_dim * 2u; }
+};
+
+// CRC-32 (zlib's: reflected polynomial 0xEDB88320, init/final xor 0xFFFFFFFF); crc = the previous value.
+uint32_t crc32(const uint8_t* data, size_t n, uint32_t crc = 0);
+
+// Parse and check (magic, version, checksum, bounds, exact length). `where` names the file in errors.
+ConversationFile parse_conversation(const uint8_t* data, size_t n, const std::string& where);
+ConversationFile read_conversation_file(const std::string& path);
+// The file's bytes (checksum included); checks the arrays' sizes against the header first.
+std::vector<uint8_t> encode_conversation(const ConversationFile& f);
+// Atomic write; returns the size in bytes. Throws RunnerError(kArgument) naming the path on failure.
+size_t write_conversation_file(const std::string& path, const ConversationFile& f);
+// `want` describes the runner's pool (no tokens or blocks): throws RunnerError(kArgument) on any mismatch.
+void check_conversation_compatible(const ConversationFile& f, const ConversationFile& want, const std::string& where);
+
+}  // namespace pagedkv_rt
