@@ -389,6 +389,15 @@ def test_invalid_utf8_prompt_bytes_in_a_real_process(art):
     one_line_error(pagedkv("run", art, "--prompt", b"caf\xe9 au lait"), "--prompt is not valid UTF-8")
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["export", "m", "--pool-tokens", "1e13"], "Invalid value for '--pool-tokens'"),
+    (["run", "x", "--prompt", "hi", "--bogus"], "No such option: --bogus"),
+    (["frobnicate"], "No such command 'frobnicate'"),
+], ids=["not-an-integer", "unknown-option", "unknown-command"])
+def test_usage_errors_are_one_line(args, needle):
+    one_line_error(pagedkv(*args), needle)
+
+
 def test_list_manifest_in_a_real_process(copy):
     reseal(copy, b"[]")
     one_line_error(pagedkv("run", copy, "--prompt", "hi"), "must be a JSON object, not list")

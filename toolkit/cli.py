@@ -498,7 +498,25 @@ def deploy_cmd(
 
 
 def main():
-    app()
+    """The console script: click's usage errors (unknown option, '1e13' for an integer, ...) become one line
+    and exit 2, like every other bad input."""
+    try:  # typer >= 0.2x carries its own copy of click
+        from typer._click import exceptions as click_exc
+    except ImportError:
+        from click import exceptions as click_exc
+
+    try:
+        code = app(standalone_mode=False)
+    except click_exc.NoArgsIsHelpError as e:
+        print(e.ctx.get_help() if e.ctx else "", file=sys.stderr)
+        sys.exit(2)
+    except click_exc.UsageError as e:
+        where = f"pagedkv {e.ctx.info_name} --help" if e.ctx and e.ctx.parent is not None else "pagedkv --help"
+        console.print(f"[bold red]error:[/] {e.format_message()} (see `{where}`)")
+        sys.exit(2)
+    except click_exc.Abort:  # Ctrl-C outside a reply
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":
