@@ -207,6 +207,11 @@ def export_artifacts(
     pool = (pool or PoolRequest()).check()
     out_dir = Path(out_dir).expanduser().absolute()
     check_out_dir(out_dir, force)
+    src = Path(str(model_path)).expanduser()
+    if model_and_tokenizer is None and src.exists():
+        src, dst = src.resolve(), out_dir.resolve()
+        if src == dst or dst in src.parents:  # --force would delete the model being exported
+            raise ArtifactError(f"--out {out_dir} holds the model {model_path}: write the artifacts somewhere else.")
     if model_and_tokenizer is None:
         config = preflight_model(model_path)
         if config is not None:  # spec and pool against the model's dims, before the weights load

@@ -461,6 +461,14 @@ def test_export_failing_half_way_leaves_the_target_and_no_partial_dir(copy):
     _no_leftovers(copy.parent)
 
 
+def test_export_never_replaces_the_model_it_reads(tmp_path):
+    d = _model_dir(tmp_path)
+    before = snapshot(d)
+    one_line_error(cli("export", d, "--out", d, "--force"), "holds the model")
+    one_line_error(cli("export", d, "--out", tmp_path, "--force"), "holds the model")
+    assert snapshot(d) == before
+
+
 def test_export_of_model_dir_with_corrupt_tokenizer(tmp_path):
     d = _model_dir(tmp_path)
     (d / "tokenizer.json").write_text("{not json")
