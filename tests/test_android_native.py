@@ -151,10 +151,34 @@ def test_jni_bridge_on_host_jvm(host_build, fixtures, tmp_path):
     assert summary(out) and summary(out)[-1][1] == 0 and summary(out)[-1][0] >= 16, out
 
 
+def load_segments(lib: Path) -> list[tuple[int, int, int]]:
+    """(offset, vaddr, align) of each LOAD segment, from `readelf -lW`."""
+    out = run(["readelf", "-lW", lib])
+    segs = [(int(m[0], 16), int(m[1], 16), int(m[2], 16))
+            for m in re.findall(r"^\s*LOAD\s+(0x[0-9a-f]+)\s+(0x[0-9a-f]+)\s+0x[0-9a-f]+\s+0x[0-9a-f]+\s+0x[0-9a-f]+"
+                                r"\s+[RWE ]+\s+(0x[0-9a-f]+)$", out, re.M)]
+    assert segs, out
+    return segs
+
+
 def test_aarch64_under_qemu(fixtures):
-    """Cross-built with Debian's aarch64 g++ against the aarch64 executorch wheel; run twice under qemu."""
-    need("aarch64-linux-gnu-g++", "qemu-aarch64-static", "javac")
+    """Cross-built with Debian's clang for aarch64 (the NDK's compiler is clang) with -Werror, linked with
+    --no-undefined and 16 KB pages against the aarch64 executorch wheel; run twice under qemu."""
+    need("clang++", "ld.lld", "aarch64-linux-gnu-g++", "qemu-aarch64-static", "javac", "readelf")
     run(["bash", CI, "cross"], timeout=1800)
+    build = REPO / "build" / "android-aarch64"
+    flags = (build / "CMakeCache.txt").read_text()
+    assert re.search(r"^CMAKE_CXX_COMPILER:\w+=clang\+\+$", flags, re.M) and "PAGEDKV_WERROR:BOOL=ON" in flags
+    for name in ("libpagedkv_runner.so", "libpagedkv_jni.so"):
+        lib = build / name
+        assert "Machine:                           AArch64" in run(["readelf", "-h", lib])
+        assert "Debian clang" in run(["readelf", "-p", ".comment", lib])
+        # Android 15's 16 KB pages: every LOAD segment aligned to 16 KB, offset and address congruent
+        for off, vaddr, align in load_segments(lib):
+            assert align >= 16384 and align % 16384 == 0 and off % 16384 == vaddr % 16384, (name, off, vaddr, align)
+        # --no-undefined: the link itself fails on an unresolved symbol; check it is on the link line too
+        link = (build / "CMakeFiles" / f"{name[3:-3]}.dir" / "link.txt").read_text()
+        assert "--no-undefined" in link and "max-page-size=16384" in link, link
     out = run(["bash", CI, "test-cross", fixtures], timeout=1800)
     results = summary(out)
     assert len(results) == 4 and all(f == 0 for _, f in results), out[-4000:]
@@ -162,3 +186,138 @@ def test_aarch64_under_qemu(fixtures):
     # the kernel core's tests (every path vs scalar): the sdot path under -cpu max, plain NEON on the A53
     assert out.count("all pagedkv core tests passed") == 2, out[-4000:]
     assert re.search(r"^active path: neon-dotprod,", out, re.M) and re.search(r"^active path: neon,", out, re.M)
+
+
+# ---- the runner's chat templates (src/chat_template.cpp) against jinja2 -------------------------------
+# Test templates written for these tests in the styles of the model families the runner serves (ChatML
+# with a default system prompt, Gemma's turns with a merged system prompt and role checks, Llama 3
+# headers), plus one exercising the whitespace rules; the real SmolLM2 template comes from its GGUF.
+
+TEMPLATES = {
+    "chatml": (
+        "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+        "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+        "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
+    "gemma-style": """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set prefix = messages[0]['content'] | trim ~ '\n\n' -%}
+    {%- set rest = messages[1:] -%}
+{%- else -%}
+    {%- set prefix = "" -%}
+    {%- set rest = messages -%}
+{%- endif -%}
+{%- for m in rest -%}
+    {%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("roles must alternate user/assistant") }}
+    {%- endif -%}
+    {%- set role = "model" if m['role'] == 'assistant' else m['role'] -%}
+    {{ '<start_of_turn>' + role + '\n' + (prefix if loop.first else "") }}
+    {%- if m['content'] is string -%}
+        {{ m['content'] | trim }}
+    {%- else -%}
+        {{ raise_exception("content must be a string") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<start_of_turn>model\n' }}
+{%- endif -%}
+""",
+    "llama3-style": (
+        "{{- bos_token }}{% for message in messages %}"
+        "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    ),
+    "whitespace": """{# a comment #}
+<s>
+  {% for m in messages %}
+    {% if m.role == "system" %}
+[SYS {{ loop.index }}/{{ loop.length }}] {{ m.content|upper }}
+    {% elif m.role in ["user", "human"] and not loop.last %}
+  [U] {{ m.content ~ "|" ~ (m.content|length) }}
+    {%- else %}
+  [{{ m.role[:1] }}{{ m.get("name", "?") }}] {{ m.content.strip() if m.content.startswith(" ") else m.content }}
+    {% endif %}
+  {%- else %}
+(empty)
+  {% endfor %}
+{% for k, v in {"a": 1, "b": "x"}.items() %}{{ k }}={{ v }}{{ "," if not loop.last }}{% endfor %}
+{%+ if add_generation_prompt %}  <gen>{% endif %}
+{{ messages | length > 2 }} {{ -7 // 2 }} {{ -7 % 3 }} {{ none }} {{ undefined_thing }}|
+""",
+}
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello!"}],
+    [{"role": "system", "content": "  Be brief.\n"}, {"role": "user", "content": "What is 2+2?"}],
+    [{"role": "user", "content": "Bonjour, ça va ? 中文 \U0001F600"}, {"role": "assistant", "content": " Oui.\n\n"},
+     {"role": "user", "content": "  tabs\tand\nnewlines  "}],
+    [],
+]
+
+
+def _jinja(template: str, variables: dict) -> str:
+    from jinja2.exceptions import TemplateError, UndefinedError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)  # as transformers renders
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(**variables)
+    except UndefinedError:  # e.g. messages[0]['role'] of no messages: the runner refuses too, in its words
+        return "TemplateError: "
+    except TemplateError as e:
+        return f"TemplateError: {e}"
+
+
+def _cpp(host_build, tmp_path, template: str, variables: dict) -> str:
+    (tmp_path / "t.jinja").write_text(template, encoding="utf-8")
+    (tmp_path / "v.json").write_text(json.dumps(variables), encoding="utf-8")
+    proc = subprocess.run([str(host_build / "template_cli"), str(tmp_path / "t.jinja"), str(tmp_path / "v.json")],
+                          capture_output=True, timeout=60)
+    assert proc.returncode in (0, 3), proc.stderr.decode()
+    return proc.stdout.decode("utf-8")
+
+
+def _compare(host_build, tmp_path, template):
+    rendered = 0
+    for messages in CONVERSATIONS:
+        for gen in (True, False):
+            variables = {"messages": messages, "add_generation_prompt": gen, "bos_token": "<bos>", "eos_token": "</s>"}
+            want = _jinja(template, variables)
+            got = _cpp(host_build, tmp_path, template, variables)
+            if want.startswith("TemplateError: "):  # both refuse (the message text may differ in its prefix)
+                assert got.startswith("TemplateError: ") and want[len("TemplateError: "):] in got, (want, got)
+            else:
+                assert got == want, f"messages={messages} gen={gen}\njinja2: {want!r}\nrunner: {got!r}"
+                rendered += 1
+    return rendered
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_chat_template_equals_jinja2(host_build, tmp_path, name):
+    assert _compare(host_build, tmp_path, TEMPLATES[name]) >= 4
+
+
+def test_chat_template_of_smollm2_equals_jinja2(host_build, tmp_path):
+    """The real template of SmolLM2-135M-Instruct, read from its GGUF (tokenizer.chat_template)."""
+    from gguf import GGUFReader
+
+    from toolkit.model_loading import smollm2_gguf_path
+
+    field = GGUFReader(str(smollm2_gguf_path())).fields["tokenizer.chat_template"]
+    template = bytes(field.parts[field.data[0]]).decode("utf-8")
+    assert "<|im_start|>" in template
+    assert _compare(host_build, tmp_path, template) == 2 * len(CONVERSATIONS)
+
+
+def test_chat_template_refuses_what_it_does_not_support(host_build, tmp_path):
+    for template, what in [("{% macro f() %}x{% endmacro %}", "macro"), ("{{ x | tojson }}", "tojson"),
+                           ("{% if x %}open", "endif"), ("{{ namespace(a=1) }}", "keyword arguments")]:
+        got = _cpp(host_build, tmp_path, template, {"messages": []})
+        assert got.startswith("TemplateError: ") and what in got, got

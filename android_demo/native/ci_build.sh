@@ -2,11 +2,13 @@
 # Build (and optionally test) the pagedkv native runner. Idempotent; installs nothing.
 #
 #   android_demo/native/ci_build.sh host                 build into build/android-host
-#   android_demo/native/ci_build.sh cross                aarch64 build into build/android-aarch64
+#   android_demo/native/ci_build.sh cross                aarch64 build into build/android-aarch64 (Debian clang,
+#                                                        --target=aarch64-linux-gnu, -Werror, --no-undefined, 16 KB pages)
 #   android_demo/native/ci_build.sh test-host FIXTURES   run the host tests on FIXTURES (make_fixtures.py)
 #   android_demo/native/ci_build.sh test-cross FIXTURES  run the aarch64 tests under qemu, -cpu max and cortex-a53
 #
-# Needs: cmake >= 3.20, g++, a JDK (javac/java); for cross: g++-aarch64-linux-gnu, qemu-user-static and
+# Needs: cmake >= 3.20, g++, a JDK (javac/java); for cross: clang, lld, g++-aarch64-linux-gnu (the aarch64
+# glibc and libstdc++ clang links against), qemu-user-static and
 # the aarch64 executorch 1.5.1 wheel (downloaded with pip into build/aarch64-wheel, unzipped once).
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -15,7 +17,7 @@ PY="${PAGEDKV_PYTHON:-$REPO/.venv/bin/python}"
 CMAKE="${CMAKE:-$(command -v /usr/bin/cmake || command -v cmake)}"
 JOBS="${JOBS:-$(nproc)}"
 ET_VERSION=1.5.1
-APT_LINE="apt-get install -y cmake g++ openjdk-17-jdk-headless g++-aarch64-linux-gnu qemu-user-static adb"
+APT_LINE="apt-get install -y cmake g++ openjdk-17-jdk-headless clang lld g++-aarch64-linux-gnu qemu-user-static adb"
 
 need() {
   for tool in "$@"; do
@@ -57,10 +59,11 @@ case "${1:-}" in
     "$CMAKE" --build "$REPO/build/android-host" -j "$JOBS"
     ;;
   cross)
-    need aarch64-linux-gnu-g++ qemu-aarch64-static javac
+    need clang clang++ ld.lld aarch64-linux-gnu-g++ qemu-aarch64-static javac
     ET_ROOT="$(aarch64_executorch)"
     "$CMAKE" -S "$HERE" -B "$REPO/build/android-aarch64" \
-      -DCMAKE_TOOLCHAIN_FILE="$HERE/toolchain-aarch64-linux-gnu.cmake" -DEXECUTORCH_ROOT="$ET_ROOT" >/dev/null
+      -DCMAKE_TOOLCHAIN_FILE="$HERE/toolchain-aarch64-linux-gnu.cmake" -DEXECUTORCH_ROOT="$ET_ROOT" \
+      -DPAGEDKV_EXECUTORCH=wheel -DPAGEDKV_WERROR=ON >/dev/null
     "$CMAKE" --build "$REPO/build/android-aarch64" -j "$JOBS"
     ;;
   test-host)

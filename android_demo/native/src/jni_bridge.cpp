@@ -80,6 +80,8 @@ R guarded(JNIEnv* env, R fallback, F&& f) {
     if (!env->ExceptionCheck()) throw_java(env, static_cast<int>(e.code()), e.what());
   } catch (const std::exception& e) {
     if (!env->ExceptionCheck()) throw_java(env, 0, std::string("native error: ") + e.what());
+  } catch (...) {  // nothing may unwind into the JVM
+    if (!env->ExceptionCheck()) throw_java(env, 0, "native error: an unknown C++ exception");
   }
   return fallback;
 }
@@ -136,40 +138,72 @@ JNIEXPORT void JNI_FN(nativeCloseConversation)(JNIEnv* env, jclass, jlong h, jin
   guarded(env, 0, [&] { checked(env, h)->close(conv); return 0; });
 }
 
+}  // extern "C"
+
+namespace {
+
+// The listener's onToken as a TokenCallback (a pending Java exception stops generation; rethrown on return).
+TokenCallback java_listener(JNIEnv* env, jobject listener, bool* ok) {
+  *ok = true;
+  if (!listener) return TokenCallback();
+  jclass k = env->GetObjectClass(listener);
+  jmethodID on_token = env->GetMethodID(k, "onToken", "(ILjava/lang/String;)Z");
+  if (!on_token) {
+    *ok = false;
+    return TokenCallback();
+  }
+  return [env, listener, on_token](int32_t id, const std::string& text) -> bool {
+    jstring js = to_jstring(env, text);
+    jboolean go = env->CallBooleanMethod(listener, on_token, static_cast<jint>(id), js);
+    env->DeleteLocalRef(js);
+    if (env->ExceptionCheck()) return false;  // rethrown to the caller when generate returns
+    return go == JNI_TRUE;
+  };
+}
+
+Sampling sampling(jfloat temperature, jint top_k, jfloat top_p, jlong seed) {
+  Sampling sp;
+  sp.temperature = temperature;
+  sp.top_k = top_k;
+  sp.top_p = top_p;
+  sp.seed = static_cast<uint64_t>(seed);
+  return sp;
+}
+
+}  // namespace
+
+extern "C" {
+
 JNIEXPORT jintArray JNI_FN(nativeGenerate)(JNIEnv* env, jclass, jlong h, jint conv, jintArray prompt, jint max_new,
                                            jfloat temperature, jint top_k, jfloat top_p, jlong seed,
                                            jobject listener) {
   return guarded(env, static_cast<jintArray>(nullptr), [&]() -> jintArray {
     Runner* r = checked(env, h);
-    Sampling sp;
-    sp.temperature = temperature;
-    sp.top_k = top_k;
-    sp.top_p = top_p;
-    sp.seed = static_cast<uint64_t>(seed);
-    jmethodID on_token = nullptr;
-    if (listener) {
-      jclass k = env->GetObjectClass(listener);
-      on_token = env->GetMethodID(k, "onToken", "(ILjava/lang/String;)Z");
-      if (!on_token) return nullptr;
-    }
-    TokenCallback cb = [&](int32_t id, const std::string& text) -> bool {
-      if (!listener) return true;
-      jstring js = to_jstring(env, text);
-      jboolean go = env->CallBooleanMethod(listener, on_token, static_cast<jint>(id), js);
-      env->DeleteLocalRef(js);
-      if (env->ExceptionCheck()) return false;  // rethrown to the caller when generate returns
-      return go == JNI_TRUE;
-    };
-    auto out = r->generate(conv, from_jints(env, prompt), max_new, sp, cb);
+    bool ok;
+    TokenCallback cb = java_listener(env, listener, &ok);
+    if (!ok) return nullptr;
+    auto out = r->generate(conv, from_jints(env, prompt), max_new, sampling(temperature, top_k, top_p, seed), cb);
     if (env->ExceptionCheck()) return nullptr;
     return to_jints(env, out);
   });
 }
 
-JNIEXPORT jintArray JNI_FN(nativeChatPrompt)(JNIEnv* env, jclass, jlong h, jstring text, jboolean first) {
-  return guarded(env, static_cast<jintArray>(nullptr), [&] {
-    return to_jints(env, checked(env, h)->chat_prompt(from_jstring(env, text), first == JNI_TRUE));
+JNIEXPORT jintArray JNI_FN(nativeChat)(JNIEnv* env, jclass, jlong h, jint conv, jstring text, jint max_new,
+                                       jfloat temperature, jint top_k, jfloat top_p, jlong seed, jobject listener) {
+  return guarded(env, static_cast<jintArray>(nullptr), [&]() -> jintArray {
+    Runner* r = checked(env, h);
+    bool ok;
+    TokenCallback cb = java_listener(env, listener, &ok);
+    if (!ok) return nullptr;
+    auto out = r->chat(conv, from_jstring(env, text), max_new, sampling(temperature, top_k, top_p, seed), cb);
+    if (env->ExceptionCheck()) return nullptr;
+    return to_jints(env, out);
   });
+}
+
+JNIEXPORT jstring JNI_FN(nativeRenderChat)(JNIEnv* env, jclass, jlong h, jint conv, jstring text) {
+  return guarded(env, static_cast<jstring>(nullptr),
+                 [&] { return to_jstring(env, checked(env, h)->render_chat(conv, from_jstring(env, text))); });
 }
 
 JNIEXPORT jintArray JNI_FN(nativeEncode)(JNIEnv* env, jclass, jlong h, jstring text) {

@@ -11,11 +11,13 @@
 #include <numeric>
 #include <random>
 #include <sstream>
+#include <tuple>
 
 #include <executorch/extension/module/module.h>
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/runtime/core/hierarchical_allocator.h>
 
+#include "chat_template.h"
 #include "json.h"
 #include "pagedkv_core.h"
 
@@ -87,6 +89,7 @@ struct Runner::Impl {
   struct Conv {
     int seq;
     std::vector<int32_t> history, pending;
+    std::vector<std::pair<std::string, std::string>> messages;  // (role, content) for the chat template
   };
   std::map<int, Conv> convs;
   int next_conv = 0;
@@ -197,6 +200,12 @@ struct Runner::Impl {
       max_blocks_per_seq = static_cast<int>((*pte)["max_blocks_per_seq"].as_int());
       vocab_size = static_cast<int>(m["model"]["vocab_size"].as_int());
       for (const Json& e : m["model"]["eos_token_ids"].items()) eos.push_back(static_cast<int32_t>(e.as_int()));
+      if (const Json* st = m.find("stop_token_ids"))  // the chat's extra stop ids (end-of-turn tokens)
+        for (const Json& e : st->items()) eos.push_back(static_cast<int32_t>(e.as_int()));
+      if (const Json* ct = m.find("chat_template"))
+        if (ct->is_string()) chat_template_src = ct->as_string();
+      if (const Json* tf = m.find("tokenizer_files"))
+        for (const Json& e : tf->items()) tokenizer_files.push_back(e.as_string());
       pte_file = (*pte)["file"].as_string();
     } catch (const RunnerError&) {
       throw;
@@ -207,6 +216,65 @@ struct Runner::Impl {
   }
   std::vector<int32_t> eos;
   std::string pte_file;
+  std::string chat_template_src;  // "" = none
+  std::vector<std::string> tokenizer_files;
+  std::unique_ptr<ChatTemplate> chat_template;
+  std::map<std::string, TValue> template_vars;  // bos_token, eos_token, ...
+
+  bool listed(const std::string& name) const {
+    return std::find(tokenizer_files.begin(), tokenizer_files.end(), name) != tokenizer_files.end();
+  }
+
+  // The chat template: pagedkv.json's chat_template, else chat_template.jinja or tokenizer_config.json's
+  // chat_template among the exported tokenizer files (what runtime_sim's tokenizer reads). The special
+  // tokens the template may print come from tokenizer_config.json.
+  void load_chat_template(const std::string& dir) {
+    Json cfg;
+    if (listed("tokenizer_config.json")) {
+      try {
+        cfg = Json::parse(read_text(dir + "/tokenizer_config.json", "tokenizer config"));
+      } catch (const RunnerError&) {
+        throw;
+      } catch (const std::exception& e) {
+        throw RunnerError(ErrorCode::kArtifact, dir + "/tokenizer_config.json is not valid JSON (" + e.what() +
+                                                    "): re-run `pagedkv export`.");
+      }
+      for (const char* k : {"bos_token", "eos_token", "unk_token", "pad_token"}) {
+        const Json* v = cfg.find(k);
+        if (v && v->is_object()) v = v->find("content");
+        if (v && v->is_string()) template_vars[k] = TValue::str(v->as_string());
+      }
+    }
+    std::string src = chat_template_src;
+    if (src.empty() && listed("chat_template.jinja")) src = read_text(dir + "/chat_template.jinja", "chat template");
+    if (src.empty()) {
+      const Json* t = cfg.find("chat_template");
+      if (t && t->is_string()) src = t->as_string();
+    }
+    if (src.empty()) return;
+    try {
+      chat_template = std::make_unique<ChatTemplate>(src);
+    } catch (const TemplateError& e) {
+      throw RunnerError(ErrorCode::kArtifact, std::string(e.what()) + " (in the artifacts' chat template): re-export, "
+                                                                       "or report the template.");
+    }
+  }
+
+  std::string render(const std::vector<std::pair<std::string, std::string>>& messages) const {
+    if (!chat_template) {  // no template: plain lines, like runtime_sim's chat
+      std::string s;
+      for (const auto& m : messages) s += m.first + ": " + m.second + "\n";
+      return s + "assistant:";
+    }
+    auto vars = template_vars;
+    vars["messages"] = chat_messages(messages);
+    vars["add_generation_prompt"] = TValue::boolean(true);
+    try {
+      return chat_template->render(vars);
+    } catch (const TemplateError& e) {  // e.g. a template that requires alternating roles
+      throw RunnerError(ErrorCode::kArgument, std::string(e.what()) + ": clear the conversation to start over.");
+    }
+  }
 
   void allocate_and_load(const std::string& dir) {
     const std::string pte = dir + "/" + pte_file;
@@ -364,11 +432,10 @@ Runner::Runner(const RunnerConfig& cfg) : impl_(new Impl) {
   } catch (const std::exception& e) {
     throw RunnerError(ErrorCode::kArtifact, std::string("tokenizer: ") + e.what());
   }
-  stop_ids_ = impl_->eos;
-  for (const char* extra : {"<|im_end|>", "<|eot_id|>", "<|endoftext|>"}) {
-    int32_t id = tokenizer_->token_id(extra);
-    if (id >= 0 && std::find(stop_ids_.begin(), stop_ids_.end(), id) == stop_ids_.end()) stop_ids_.push_back(id);
-  }
+  // stop ids come from the manifest (the model's eos ids + the chat's end-of-turn ids), not from token names
+  for (int32_t id : impl_->eos)
+    if (std::find(stop_ids_.begin(), stop_ids_.end(), id) == stop_ids_.end()) stop_ids_.push_back(id);
+  impl_->load_chat_template(dir);
   if (!cfg.isa.empty()) {
     pagedkv::Isa want = pagedkv::Isa::kAuto;
     for (pagedkv::Isa i : pagedkv::kAllIsas)
@@ -390,7 +457,7 @@ int Runner::new_conversation() {
   std::lock_guard<std::mutex> g(impl_->mu);
   int seq = impl_->pool->new_sequence();
   int id = impl_->next_conv++;
-  impl_->convs[id] = Impl::Conv{seq, {}, {}};
+  impl_->convs[id] = Impl::Conv{seq, {}, {}, {}};
   impl_->refresh_stats();
   return id;
 }
@@ -402,6 +469,7 @@ void Runner::clear(int conv) {
   c.seq = impl_->pool->new_sequence();
   c.history.clear();
   c.pending.clear();
+  c.messages.clear();
   impl_->refresh_stats();
 }
 
@@ -418,13 +486,70 @@ int Runner::conversation_length(int conv) const {
   return impl_->pool->length(impl_->conv(conv).seq);
 }
 
-std::vector<int32_t> Runner::chat_prompt(const std::string& user_text, bool first_turn) const {
-  if (tokenizer_->token_id("<|im_start|>") >= 0) {
-    std::string s = first_turn ? "" : "\n";  // the previous turn ended with <|im_end|>
-    s += "<|im_start|>user\n" + user_text + "<|im_end|>\n<|im_start|>assistant\n";
-    return tokenizer_->encode(s);
+std::string Runner::render_chat(int conv, const std::string& user_text) const {
+  std::vector<std::pair<std::string, std::string>> msgs;
+  {
+    std::lock_guard<std::mutex> g(impl_->mu);
+    msgs = impl_->conv(conv).messages;
   }
-  return tokenizer_->encode(user_text);
+  msgs.emplace_back("user", user_text);
+  return impl_->render(msgs);
+}
+
+std::vector<int32_t> Runner::chat(int conv, const std::string& user_text, int max_new_tokens, const Sampling& sampling,
+                                  const TokenCallback& cb) {
+  Impl& m = *impl_;
+  std::vector<int32_t> held, fresh;
+  size_t n_messages;
+  std::tuple<std::vector<int32_t>, std::vector<int32_t>, int> before;
+  {
+    std::lock_guard<std::mutex> g(m.mu);
+    Impl::Conv& c = m.conv(conv);
+    n_messages = c.messages.size();
+    c.messages.emplace_back("user", user_text);
+    before = {c.history, c.pending, c.seq};
+    std::vector<int32_t> ids;
+    try {
+      ids = tokenizer_->encode(m.render(c.messages));
+    } catch (...) {
+      c.messages.resize(n_messages);
+      throw;
+    }
+    held = c.history;
+    held.insert(held.end(), c.pending.begin(), c.pending.end());
+    if (held.size() >= ids.size() || !std::equal(held.begin(), held.end(), ids.begin())) {
+      // the re-rendered conversation differs from the cache: start the cache over with all of it
+      m.pool->release(c.seq);
+      c.seq = m.pool->new_sequence();
+      c.history.clear();
+      c.pending.clear();
+      held.clear();
+    }
+    fresh.assign(ids.begin() + static_cast<long>(held.size()), ids.end());
+  }
+  try {
+    std::vector<int32_t> out = generate(conv, fresh, max_new_tokens, sampling, cb);
+    std::vector<int32_t> reply(out);
+    if (!reply.empty() && std::find(stop_ids_.begin(), stop_ids_.end(), reply.back()) != stop_ids_.end()) reply.pop_back();
+    std::lock_guard<std::mutex> g(m.mu);
+    m.conv(conv).messages.emplace_back("assistant", tokenizer_->decode(reply, true));
+    return out;
+  } catch (...) {
+    std::lock_guard<std::mutex> g(m.mu);
+    auto it = m.convs.find(conv);
+    if (it != m.convs.end()) {
+      Impl::Conv& c = it->second;
+      c.messages.resize(n_messages);
+      if (std::tie(c.history, c.pending, c.seq) != std::tie(std::get<0>(before), std::get<1>(before), std::get<2>(before))) {
+        m.pool->release(c.seq);  // part of the turn may be cached: drop it, the next turn prefills again
+        c.seq = m.pool->new_sequence();
+        c.history.clear();
+        c.pending.clear();
+      }
+      m.refresh_stats();
+    }
+    throw;
+  }
 }
 
 std::vector<int32_t> Runner::generate(int conv, const std::vector<int32_t>& prompt_ids, int max_new_tokens,
@@ -470,8 +595,13 @@ std::vector<int32_t> Runner::generate(int conv, const std::vector<int32_t>& prom
     bool go_on = true;
     if (cb) {
       std::string piece = streamer.push(tok);
-      if (stop || i == max_new_tokens - 1) piece += streamer.flush();
+      const bool last = stop || i == max_new_tokens - 1 || cancel_.load();
+      if (last) piece += streamer.flush();
       go_on = cb(tok, piece);
+      if (!go_on && !last) {  // the listener stopped it: hand over a partial character still pending
+        std::string tail = streamer.flush();
+        if (!tail.empty()) cb(tok, tail);
+      }
     }
     if (stop || i == max_new_tokens - 1 || !go_on || cancel_.load()) {
       c.pending = {tok};  // fed at the start of the next turn, like runtime_sim's engine

@@ -81,7 +81,9 @@ struct ShrinkResult {
 };
 
 // Called for each generated token with the text it completes (whole UTF-8 characters). Return
-// false to stop generating.
+// false to stop generating. When generation ends early (cancel(), false returned) with a partial UTF-8
+// character pending, one last call repeats the last token id with that tail (as U+FFFD); its return
+// value is ignored. At a stop token or the token cap the tail comes with the last token.
 using TokenCallback = std::function<bool(int32_t token, const std::string& text)>;
 
 class Runner {
@@ -101,8 +103,16 @@ class Runner {
   // each through cb. Returns the generated ids. Stops at a stop token (it is returned, not fed).
   std::vector<int32_t> generate(int conv, const std::vector<int32_t>& prompt_ids, int max_new_tokens,
                                 const Sampling& sampling, const TokenCallback& cb);
-  // A user turn in the model's chat format (ChatML when the tokenizer has <|im_start|>, else plain).
-  std::vector<int32_t> chat_prompt(const std::string& user_text, bool first_turn) const;
+  // One chat turn: the user's message joins the conversation's messages, the whole conversation is
+  // rendered with the model's chat template (ChatTemplate: pagedkv.json's chat_template, else the
+  // exported tokenizer files' template; without one "role: text" lines) and only the tokens the cache
+  // does not hold yet are prefilled (a re-render that differs from the cache starts the cache over),
+  // then generate(); the reply joins the messages. A turn that throws is rolled back (message removed,
+  // the cache cleared if it changed). Returns the generated ids.
+  std::vector<int32_t> chat(int conv, const std::string& user_text, int max_new_tokens, const Sampling& sampling,
+                            const TokenCallback& cb);
+  // The conversation's text as chat() would render it with the generation prompt (tests, CLI).
+  std::string render_chat(int conv, const std::string& user_text) const;
   void cancel() { cancel_.store(true); }  // stops the running generate after its current step
 
   ShrinkResult shrink(int target_usable_blocks);  // lower the limit, release free blocks' pages

@@ -109,11 +109,19 @@ public final class NativeRunner implements AutoCloseable {
         return nativeGenerate(handle, conversation, promptIds, maxNewTokens, temperature, topK, topP, seed, listener);
     }
 
-    /** One chat turn: the user's text in the model's chat format, then generation. */
-    public int[] chat(int conversation, String userText, boolean firstTurn, int maxNewTokens, float temperature,
-                      TokenListener listener) {
-        int[] prompt = nativeChatPrompt(handle, userText, firstTurn);
-        return generate(conversation, prompt, maxNewTokens, temperature, 40, 0.95f, System.nanoTime(), listener);
+    /**
+     * One chat turn: the conversation so far plus userText rendered with the model's chat template (from
+     * the artifacts), only the tokens not yet cached prefilled, then up to maxNewTokens streamed. Ends at a
+     * stop token (the manifest's), the cap, or when the listener returns false.
+     */
+    public int[] chat(int conversation, String userText, int maxNewTokens, float temperature, TokenListener listener) {
+        return nativeChat(handle, conversation, userText, maxNewTokens, temperature, 40, 0.95f, System.nanoTime(),
+                listener);
+    }
+
+    /** The text chat() would prefill for userText (the whole conversation, rendered). */
+    public String renderChat(int conversation, String userText) {
+        return nativeRenderChat(handle, conversation, userText);
     }
 
     public int[] encode(String text) { return nativeEncode(handle, text); }
@@ -147,7 +155,9 @@ public final class NativeRunner implements AutoCloseable {
     private static native void nativeCloseConversation(long h, int conv);
     private static native int[] nativeGenerate(long h, int conv, int[] prompt, int maxNew, float temperature, int topK,
                                                float topP, long seed, TokenListener listener);
-    private static native int[] nativeChatPrompt(long h, String text, boolean firstTurn);
+    private static native int[] nativeChat(long h, int conv, String text, int maxNew, float temperature, int topK,
+                                           float topP, long seed, TokenListener listener);
+    private static native String nativeRenderChat(long h, int conv, String text);
     private static native int[] nativeEncode(long h, String text);
     private static native String nativeDecode(long h, int[] ids);
     private static native void nativeCancel(long h);
