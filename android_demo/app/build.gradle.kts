@@ -1,73 +1,66 @@
+import org.jetbrains.kotlin.gradle.dsl.JvmTarget
+
 plugins {
     id("com.android.application")
     id("org.jetbrains.kotlin.android")
 }
 
-// ExecuTorch's runtime for arm64 comes from the executorch-android AAR (libexecutorch.so); the
-// native runner (../native) compiles against the same version's headers from the pip wheel.
-val executorchVersion = "1.5.1"
-val executorchRoot: String = (project.findProperty("pagedkv.executorchRoot") as String?).orEmpty()
-val aarJniDir = layout.buildDirectory.dir("executorch-aar/jni").get().asFile
-
-val executorchAar by configurations.creating
+// The native runner (../native) is built by CMake with ExecuTorch v1.5.1 compiled from source and linked
+// statically into libpagedkv_runner.so (PAGEDKV_EXECUTORCH=source): one ExecuTorch per process, our kernels
+// registered in it. No executorch-android AAR: its libexecutorch.so exports only JNI symbols (README).
+val python: String = (project.findProperty("pagedkv.python") as String?).orEmpty()
+val executorchSourceDir: String = (project.findProperty("pagedkv.executorchSourceDir") as String?).orEmpty()
 
 android {
     namespace = "org.pagedkv.demo"
-    compileSdk = 34
-    ndkVersion = "26.3.11579264"
+    compileSdk = 35
+    ndkVersion = "28.2.13676358"  // NDK r28c
 
     defaultConfig {
         applicationId = "org.pagedkv.demo"
         minSdk = 28
-        targetSdk = 34
-        versionCode = 1
-        versionName = "0.1.0"
+        targetSdk = 35
+        versionCode = 2
+        versionName = "0.2.0"
         ndk { abiFilters += listOf("arm64-v8a") }
         externalNativeBuild {
             cmake {
                 arguments += listOf(
+                    "-DPAGEDKV_EXECUTORCH=source",
+                    "-DEXECUTORCH_SOURCE_DIR=$executorchSourceDir",
+                    "-DPYTHON_EXECUTABLE=$python",
                     "-DPAGEDKV_RUNNER_TESTS=OFF",
-                    "-DEXECUTORCH_ROOT=$executorchRoot",
-                    "-DEXECUTORCH_LIBS=${aarJniDir}/arm64-v8a/libexecutorch.so",
-                    "-DANDROID_STL=c++_shared",
+                    "-DPAGEDKV_RUNNER_CLI=OFF",
+                    "-DANDROID_STL=c++_static",
+                    "-DANDROID_SUPPORT_FLEXIBLE_PAGE_SIZES=ON",
+                    "-DCMAKE_SHARED_LINKER_FLAGS=-Wl,-z,max-page-size=16384",
                 )
-                cppFlags += listOf("-std=c++17")
+                targets += listOf("pagedkv_runner", "pagedkv_jni")
             }
         }
     }
     externalNativeBuild {
         cmake {
             path = file("../native/CMakeLists.txt")
-            version = "3.22.1"
+            version = "3.31.6"
         }
     }
     sourceSets["main"].java.srcDirs("src/main/java", "../native/java")
     buildTypes {
         release {
             isMinifyEnabled = false
+            signingConfig = signingConfigs.getByName("debug")  // a demo: sign release builds with the debug key
         }
     }
     compileOptions {
         sourceCompatibility = JavaVersion.VERSION_17
         targetCompatibility = JavaVersion.VERSION_17
     }
-    kotlinOptions { jvmTarget = "17" }
-    packaging { jniLibs { pickFirsts += listOf("**/libc++_shared.so") } }
+    packaging { jniLibs { useLegacyPackaging = false } }  // stored uncompressed, 16 KB aligned in the APK
 }
+
+kotlin { compilerOptions { jvmTarget.set(JvmTarget.JVM_17) } }
 
 dependencies {
-    implementation("org.pytorch:executorch-android:$executorchVersion")
-    executorchAar("org.pytorch:executorch-android:$executorchVersion@aar")
     implementation("androidx.appcompat:appcompat:1.7.0")
-    implementation("androidx.lifecycle:lifecycle-runtime-ktx:2.8.4")
-    implementation("org.jetbrains.kotlinx:kotlinx-coroutines-android:1.8.1")
-}
-
-// Unpack the AAR's jni/ so CMake can link the runner against its libexecutorch.so.
-val unpackExecutorchAar by tasks.registering(Copy::class) {
-    from({ executorchAar.map { zipTree(it) } }) { include("jni/**") }
-    into(aarJniDir.parentFile)
-}
-tasks.configureEach {
-    if (name.startsWith("configureCMake") || name.startsWith("buildCMake")) dependsOn(unpackExecutorchAar)
 }

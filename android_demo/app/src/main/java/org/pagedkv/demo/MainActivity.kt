@@ -1,11 +1,12 @@
 package org.pagedkv.demo
 
-import android.app.ActivityManager
-import android.content.ComponentCallbacks2
-import android.content.Context
+import android.app.Activity
+import android.content.Intent
+import android.net.Uri
 import android.os.Bundle
 import android.os.Handler
 import android.os.Looper
+import android.provider.DocumentsContract
 import android.text.InputType
 import android.view.ViewGroup.LayoutParams.MATCH_PARENT
 import android.view.ViewGroup.LayoutParams.WRAP_CONTENT
@@ -15,22 +16,26 @@ import android.widget.LinearLayout
 import android.widget.ScrollView
 import android.widget.TextView
 import androidx.appcompat.app.AppCompatActivity
-import java.io.File
+import org.pagedkv.demo.core.ChatEngine
+import org.pagedkv.demo.core.ModelFiles
+import java.io.InputStream
 import java.util.concurrent.Executors
 
 /**
- * Chat screen over the pagedkv native runner. The runner (and its KV block pool) is created on a
- * background thread at start; every runner call that can take time runs on [worker], one at a time.
+ * The chat screen: a thin shell over the app's [ChatEngine] (PagedKVApp). It holds no runner and no
+ * chat state, so rotation re-creates only views; the stats loop runs between onStart and onStop.
  */
 class MainActivity : AppCompatActivity() {
-    private val worker = Executors.newSingleThreadExecutor()
+    private val app get() = application as PagedKVApp
+    private val engine get() = app.engine
     private val ui = Handler(Looper.getMainLooper())
-    private var runner: NativeRunner? = null
-    private var conversation = -1
-    private var firstTurn = true
-    private var budgetBlocks = 0
-    @Volatile private var generating = false
-    private var note = ""
+    private val redraw: () -> Unit = { render() }
+    private val statsLoop = object : Runnable {
+        override fun run() {
+            engine.refreshStats()
+            ui.postDelayed(this, 500)
+        }
+    }
 
     private lateinit var transcript: TextView
     private lateinit var scroll: ScrollView
@@ -41,162 +46,107 @@ class MainActivity : AppCompatActivity() {
     private lateinit var statsView: TextView
     private lateinit var budgetInput: EditText
 
-    private val modelDir: File get() = File(filesDir, "model")
-
     override fun onCreate(savedInstanceState: Bundle?) {
         super.onCreate(savedInstanceState)
         buildViews()
-        startRunner()
-        ui.post(object : Runnable {
-            override fun run() {
-                refreshStats()
-                ui.postDelayed(this, 500)
-            }
-        })
-    }
-
-    // ---- pool budget ------------------------------------------------------------------------
-
-    private fun settingMiB(): Long = getPreferences(Context.MODE_PRIVATE).getLong("budget_mib", 64L)
-
-    /** The smaller of the setting and a quarter of what the system says is available above its low-memory threshold. */
-    private fun budgetBytes(): Long {
-        val info = ActivityManager.MemoryInfo()
-        (getSystemService(Context.ACTIVITY_SERVICE) as ActivityManager).getMemoryInfo(info)
-        val headroom = ((info.availMem - info.threshold) / 4).coerceAtLeast(4L shl 20)
-        return minOf(settingMiB() shl 20, headroom)
-    }
-
-    private fun startRunner() {
-        val dir = modelDir
-        if (!File(dir, "pagedkv.json").isFile) {
-            append(getString(R.string.no_model, dir.absolutePath) + "\n")
-            setBusy(true)
-            return
-        }
-        val budget = budgetBytes()
-        append("Preallocating a ${budget shr 20} MiB KV pool and loading the model...\n")
-        setBusy(true)
-        worker.execute {
-            try {
-                val old = runner
-                runner = null
-                old?.close()
-                val r = NativeRunner(dir.absolutePath, budget, 0)
-                conversation = r.newConversation()
-                firstTurn = true
-                budgetBlocks = r.stats().usableBlocks
-                runner = r
-                ui.post {
-                    append("Ready: ${r.stats()}\n\n")
-                    setBusy(false)
-                }
-            } catch (e: PagedKVException) {
-                ui.post { append("Could not start: ${e.message}\n") }
-            }
+        if (savedInstanceState == null && !engine.ready && engine.stats == null) {
+            if (!app.startRunner()) engine.transcript.note(getString(R.string.no_model, filesDir.absolutePath + "/model"))
         }
     }
 
-    // ---- chat -------------------------------------------------------------------------------
+    override fun onStart() {
+        super.onStart()
+        app.addListener(redraw)
+        ui.post(statsLoop)
+        render()
+    }
+
+    override fun onStop() {
+        ui.removeCallbacks(statsLoop)  // the loop stops with the view: no leaked Activity, no work in the background
+        app.removeListener(redraw)
+        super.onStop()
+    }
+
+    // ---- actions ----------------------------------------------------------------------------
 
     private fun sendMessage() {
-        val r = runner ?: return
         val text = input.text.toString().trim()
-        if (text.isEmpty() || generating) return
-        input.setText("")
-        append("You: $text\nModel: ")
-        setBusy(true)
-        generating = true
-        worker.execute {
-            try {
-                if (r.stats().usableBlocks < budgetBlocks) r.grow(budgetBlocks)  // trimmed earlier: take it back
-                r.chat(conversation, text, firstTurn, 256, 0.7f) { _, piece ->
-                    ui.post { append(piece) }
-                    true
-                }
-                firstTurn = false
-                ui.post { append("\n\n") }
-            } catch (e: PoolExhaustedException) {
-                ui.post { append("\n[KV pool full: ${e.message} Press Clear to start over.]\n\n") }
-            } catch (e: PagedKVException) {
-                ui.post { append("\n[error: ${e.message}]\n\n") }
-            } finally {
-                generating = false
-                ui.post { setBusy(false) }
-            }
-        }
+        if (text.isEmpty()) return
+        if (engine.send(text) { app.memory() } != null) input.setText("")
     }
 
-    private fun clearConversation() {
-        val r = runner ?: return
-        r.cancel()
-        worker.execute {
-            r.clear(conversation)  // its blocks go back to the pool at once
-            firstTurn = true
+    private fun applyBudget() {
+        val mib = budgetInput.text.toString().toLongOrNull()?.coerceIn(1L, 4096L) ?: return
+        app.setSettingMiB(mib)
+        engine.stop()
+        engine.transcript.clear()
+        if (!app.startRunner()) engine.transcript.note(getString(R.string.no_model, filesDir.absolutePath + "/model"))
+    }
+
+    /** Import a model: the system picker gives a folder (the artifacts dir); it is copied and checked off the UI thread. */
+    private fun pickModel() {
+        @Suppress("DEPRECATION")
+        startActivityForResult(Intent(Intent.ACTION_OPEN_DOCUMENT_TREE), PICK_MODEL)
+    }
+
+    @Deprecated("ActivityResult API would need activity-ktx; this is the platform call")
+    override fun onActivityResult(requestCode: Int, resultCode: Int, data: Intent?) {
+        @Suppress("DEPRECATION")
+        super.onActivityResult(requestCode, resultCode, data)
+        val tree = data?.data
+        if (requestCode != PICK_MODEL || resultCode != Activity.RESULT_OK || tree == null) return
+        engine.transcript.note("Importing the model...")
+        render()
+        val appRef = app
+        importer.execute {
+            val msg = try {
+                val names = listChildren(tree)
+                val listing = ModelFiles.import(appRef.filesDir) { name -> names[name]?.let { openUri(it) } }
+                "Imported ${listing.pte} (sha256 checked)."
+            } catch (t: Throwable) {
+                "Import failed: ${ChatEngine.describe(t)}"
+            }
             ui.post {
-                transcript.text = ""
-                append("Cleared: ${r.stats().usedBlocks} blocks in use.\n\n")
+                engine.transcript.note(msg)
+                if (msg.startsWith("Imported")) appRef.startRunner()
+                render()
             }
         }
     }
 
-    // ---- memory pressure --------------------------------------------------------------------
+    private fun openUri(uri: Uri): InputStream? = contentResolver.openInputStream(uri)
 
-    override fun onTrimMemory(level: Int) {
-        super.onTrimMemory(level)
-        val r = runner ?: return
-        // Keep a little headroom while the app is in front; give back every free block when it is not.
-        val headroom = when {
-            level >= ComponentCallbacks2.TRIM_MEMORY_UI_HIDDEN -> 0
-            level >= ComponentCallbacks2.TRIM_MEMORY_RUNNING_CRITICAL -> 0
-            level >= ComponentCallbacks2.TRIM_MEMORY_RUNNING_LOW -> 4
-            else -> 16
+    /** name -> document uri of the picked folder's files. */
+    private fun listChildren(tree: Uri): Map<String, Uri> {
+        val dirId = DocumentsContract.getTreeDocumentId(tree)
+        val children = DocumentsContract.buildChildDocumentsUriUsingTree(tree, dirId)
+        val out = HashMap<String, Uri>()
+        contentResolver.query(children, arrayOf(DocumentsContract.Document.COLUMN_DOCUMENT_ID,
+            DocumentsContract.Document.COLUMN_DISPLAY_NAME), null, null, null)?.use { c ->
+            while (c.moveToNext()) out[c.getString(1)] = DocumentsContract.buildDocumentUriUsingTree(tree, c.getString(0))
         }
-        worker.execute {
-            val res = r.shrink(r.stats().usedBlocks + headroom)
-            note = "onTrimMemory($level): usable ${res.usableBefore} -> ${res.usableAfter} blocks, " +
-                "released ${res.releasedBytes shr 10} KiB" +
-                (if (res.blockedByUsed > 0) ", ${res.blockedByUsed} used block(s) above the target" else "")
-        }
-    }
-
-    override fun onDestroy() {
-        runner?.cancel()
-        val r = runner
-        runner = null
-        worker.execute { r?.close() }
-        worker.shutdown()
-        super.onDestroy()
+        return out
     }
 
     // ---- views ------------------------------------------------------------------------------
 
-    private fun refreshStats() {
-        val r = runner
-        val s = if (r == null) "pool: not loaded" else try {
-            val st = r.stats()
+    private fun render() {
+        val st = engine.stats
+        val s = if (st == null) engine.status else
             "blocks: ${st.usedBlocks} used, ${st.freeBlocks} free, ${st.usableBlocks}/${st.totalBlocks} usable " +
                 "(${st.blockSize} tokens each)\n" +
                 "KV in use: %.2f MiB   pool committed: %.2f MiB in %d allocations (largest %.2f MiB)\n".format(
                     st.kvBytesInUse / 1048576.0, st.committedBytes / 1048576.0, st.numAllocations,
                     st.largestAllocationBytes / 1048576.0) +
-                "prefill %.1f tok/s   decode %.1f tok/s   kernels: %s".format(
-                    st.prefillTokPerS, st.decodeTokPerS, st.isa)
-        } catch (e: PagedKVException) {
-            "pool: ${e.message}"
-        }
-        statsView.text = if (note.isEmpty()) s else "$s\n$note"
-    }
-
-    private fun append(text: String) {
-        transcript.append(text)
+                "prefill %.1f tok/s   decode %.1f tok/s   kernels: %s\n%s".format(
+                    st.prefillTokPerS, st.decodeTokPerS, st.isa, engine.status)
+        statsView.text = s
+        transcript.text = engine.transcript.render()
         scroll.post { scroll.fullScroll(ScrollView.FOCUS_DOWN) }
-    }
-
-    private fun setBusy(busy: Boolean) {
-        send.isEnabled = !busy && runner != null
-        clear.isEnabled = runner != null
-        stop.isEnabled = busy && runner != null
+        val busy = engine.transcript.active() != null
+        send.isEnabled = engine.ready && !busy
+        stop.isEnabled = busy
+        clear.isEnabled = engine.ready
     }
 
     private fun buildViews() {
@@ -210,26 +160,17 @@ class MainActivity : AppCompatActivity() {
         budgetRow.addView(TextView(this).apply { text = getString(R.string.budget_label) })
         budgetInput = EditText(this).apply {
             inputType = InputType.TYPE_CLASS_NUMBER
-            setText(settingMiB().toString())
+            setText(app.settingMiB().toString())
         }
         budgetRow.addView(budgetInput, LinearLayout.LayoutParams(0, WRAP_CONTENT, 1f))
-        budgetRow.addView(Button(this).apply {
-            text = getString(R.string.apply)
-            setOnClickListener {
-                val mib = budgetInput.text.toString().toLongOrNull()?.coerceIn(1L, 4096L) ?: return@setOnClickListener
-                getPreferences(Context.MODE_PRIVATE).edit().putLong("budget_mib", mib).apply()
-                if (!generating) {
-                    transcript.text = ""
-                    startRunner()  // a new pool, preallocated with the new budget
-                }
-            }
-        })
+        budgetRow.addView(Button(this).apply { text = getString(R.string.apply); setOnClickListener { applyBudget() } })
+        budgetRow.addView(Button(this).apply { text = getString(R.string.import_model); setOnClickListener { pickModel() } })
         transcript = TextView(this).apply { setTextIsSelectable(true) }
         scroll = ScrollView(this).apply { addView(transcript) }
         input = EditText(this).apply { hint = getString(R.string.hint) }
         send = Button(this).apply { text = getString(R.string.send); setOnClickListener { sendMessage() } }
-        stop = Button(this).apply { text = getString(R.string.stop); setOnClickListener { runner?.cancel() } }
-        clear = Button(this).apply { text = getString(R.string.clear); setOnClickListener { clearConversation() } }
+        stop = Button(this).apply { text = getString(R.string.stop); setOnClickListener { engine.stop(); render() } }
+        clear = Button(this).apply { text = getString(R.string.clear); setOnClickListener { engine.clear() } }
         val row = LinearLayout(this).apply { orientation = LinearLayout.HORIZONTAL }
         row.addView(input, LinearLayout.LayoutParams(0, WRAP_CONTENT, 1f))
         row.addView(send)
@@ -240,5 +181,10 @@ class MainActivity : AppCompatActivity() {
         root.addView(scroll, LinearLayout.LayoutParams(MATCH_PARENT, 0, 1f))
         root.addView(row, LinearLayout.LayoutParams(MATCH_PARENT, WRAP_CONTENT))
         setContentView(root)
+    }
+
+    companion object {
+        private const val PICK_MODEL = 1
+        private val importer = Executors.newSingleThreadExecutor { r -> Thread(r, "pagedkv-import") }
     }
 }

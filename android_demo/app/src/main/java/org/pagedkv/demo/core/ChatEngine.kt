@@ -1,0 +1,171 @@
+package org.pagedkv.demo.core
+
+import org.pagedkv.demo.NativeRunner
+import org.pagedkv.demo.PoolExhaustedException
+import java.io.File
+import java.util.concurrent.ExecutorService
+import java.util.concurrent.Executors
+import java.util.concurrent.TimeUnit
+
+/**
+ * The app's chat over the native runner, owned by the Application (it outlives Activities: rotation
+ * keeps the chat and the pool). Plain Kotlin over [NativeRunner] (no Android imports), so the host
+ * JVM tests run it against the real runner.
+ *
+ * One serial executor owns the runner: every native call, creation and close() included, runs on it,
+ * so no call can race with close (use after free). Every task catches Throwable and shows it.
+ * [onChange] is called (on the runner's thread) after anything visible changed; the Android layer posts
+ * a redraw to the main thread.
+ */
+class ChatEngine(private val onChange: () -> Unit) {
+    private val exec: ExecutorService = Executors.newSingleThreadExecutor { r -> Thread(r, "pagedkv-runner") }
+    private var runner: NativeRunner? = null  // touched only on exec
+    private var conversation = -1
+    private var budgetBlocks = 0
+
+    val transcript = Transcript()
+    @Volatile var status: String = "Not loaded."
+        private set
+    @Volatile var stats: NativeRunner.Stats? = null
+        private set
+    @Volatile var ready = false
+        private set
+    @Volatile var closed = false
+        private set
+    var maxNewTokens = 256
+    var temperature = 0.7f
+
+    /** Runs [body] on the runner's thread; any Throwable becomes a visible note, never a crash. */
+    private fun task(what: String, body: () -> Unit) {
+        if (closed) return
+        exec.execute {
+            try {
+                body()
+            } catch (t: Throwable) {
+                status = "$what failed: ${describe(t)}"
+                transcript.note("[$status]")
+            } finally {
+                onChange()
+            }
+        }
+    }
+
+    /** (Re)creates the runner: the old one is closed first (on this thread), then the pool is preallocated. */
+    fun start(modelDir: File, budgetBytes: Long, threads: Int) = task("loading the model") {
+        ready = false
+        runner?.close()
+        runner = null
+        stats = null
+        status = "Preallocating a ${budgetBytes shr 20} MiB KV pool, loading the model with $threads threads..."
+        onChange()
+        val r = NativeRunner(modelDir.absolutePath, budgetBytes, threads)
+        runner = r
+        conversation = r.newConversation()
+        budgetBlocks = r.stats().usableBlocks
+        stats = r.stats()
+        ready = true
+        status = "Ready."
+    }
+
+    /** Queues a turn; [memory] is read on the runner's thread just before the turn starts. */
+    fun send(text: String, memory: () -> MemorySnapshot): Transcript.Turn? {
+        if (closed || !ready || transcript.active() != null) return null
+        val turn = transcript.add(text)
+        onChange()
+        task("the turn") {
+            val r = runner ?: throw IllegalStateException("the runner is not loaded")
+            if (turn.stopRequested) {  // Stop came before the turn started: it never runs
+                transcript.finish(turn, Transcript.State.STOPPED)
+                return@task
+            }
+            transcript.started(turn)
+            onChange()
+            val st = r.stats()
+            val want = PoolPolicy.usableBeforeTurn(memory(), budgetBlocks, st.usedBlocks,
+                PoolPolicy.blocksForTurn(text.length, maxNewTokens, st.blockSize))
+            if (want > st.usableBlocks) r.grow(want)  // trimmed earlier: take back what this turn may use
+            var lastStats = 0L
+            try {
+                r.chat(conversation, text, maxNewTokens, temperature) { _, piece ->
+                    transcript.append(turn, piece)
+                    val now = System.nanoTime()
+                    if (now - lastStats > 250_000_000L) {  // live speed while streaming, on this thread
+                        stats = r.stats()
+                        lastStats = now
+                    }
+                    onChange()
+                    !turn.stopRequested  // false ends the turn after this token
+                }
+                transcript.finish(turn, if (turn.stopRequested) Transcript.State.STOPPED else Transcript.State.DONE)
+            } catch (e: PoolExhaustedException) {
+                transcript.finish(turn, Transcript.State.FAILED, "KV pool full: ${e.message} Press Clear to start over.")
+            } catch (t: Throwable) {
+                transcript.finish(turn, Transcript.State.FAILED, describe(t))
+            }
+            stats = r.stats()
+        }
+        return turn
+    }
+
+    /** Stop: works at any time (a queued turn never starts; a running one ends after its current token). */
+    fun stop(): Boolean = transcript.stop() != null
+
+    /** Releases the conversation's blocks at once (after the running turn, which Stop ends first). */
+    fun clear() {
+        transcript.stop()
+        task("clearing") {
+            val r = runner ?: return@task
+            r.clear(conversation)
+            transcript.clear()
+            stats = r.stats()
+            transcript.note("Cleared: ${stats?.usedBlocks} blocks in use.")
+        }
+    }
+
+    /** Memory pressure (ComponentCallbacks2 level): gives free blocks' pages back per [PoolPolicy]. */
+    fun trim(level: Int) {
+        val keep = PoolPolicy.keepFreeOnTrim(level) ?: return
+        task("trimming the pool") {
+            val r = runner ?: return@task
+            val res = r.shrink(r.stats().usedBlocks + keep)
+            stats = r.stats()
+            status = "trim level $level: usable ${res.usableBefore} -> ${res.usableAfter} blocks, " +
+                "released ${res.releasedBytes shr 10} KiB" +
+                (if (res.blockedByUsed > 0) ", ${res.blockedByUsed} used block(s) above the target" else "")
+        }
+    }
+
+    /** A fresh stats snapshot (the screen's 0.5 s loop; queued behind a running turn, which updates them itself). */
+    fun refreshStats() = task("reading stats") {
+        stats = runner?.stats()
+    }
+
+    /** Waits until every task queued so far has run (tests, shutdown); false on timeout or when closed. */
+    fun awaitIdle(timeoutMs: Long): Boolean {
+        if (closed) return false
+        val done = java.util.concurrent.CountDownLatch(1)
+        exec.execute { done.countDown() }
+        return done.await(timeoutMs, TimeUnit.MILLISECONDS)
+    }
+
+    /** Closes the runner on its own thread and stops the executor; [awaitMs] > 0 waits for it. */
+    fun close(awaitMs: Long = 0) {
+        if (closed) return
+        transcript.stop()
+        task("closing") {
+            ready = false
+            runner?.close()
+            runner = null
+        }
+        closed = true
+        exec.shutdown()
+        if (awaitMs > 0) exec.awaitTermination(awaitMs, TimeUnit.MILLISECONDS)
+    }
+
+    companion object {
+        fun describe(t: Throwable): String = when (t) {
+            is UnsatisfiedLinkError -> "the native library did not load (${t.message}); this build supports arm64-v8a only"
+            else -> "${t.javaClass.simpleName}: ${t.message}"
+        }
+    }
+}
