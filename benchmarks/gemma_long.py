@@ -1,0 +1,185 @@
+"""Gemma 3 270M at long context: KV bytes and decode speed of pagedkv (ONNX on onnxruntime, layer
+groups: the 15 sliding layers keep only their 512-token window) next to llama.cpp on the same GGUF
+(its default iSWA cache: sliding layers hold their window too), f16 and q8_0/q4_0 KV.
+
+    python benchmarks/gemma_long.py --ctx 2048 8192 32768 --steps 32 --threads 1
+    python benchmarks/gemma_long.py --ctx 2048 --skip-llamacpp
+
+For each ctx: the first ctx tokens of wikitext-2 (BOS first) are prefilled, then `steps` greedy
+tokens are decoded and timed (after 4 untimed ones). Our KV bytes are the engine's own count of the
+blocks in use (every group) plus the fp16 sink/tail rows, and next to it what one block table for
+all layers would hold (every layer holding ctx tokens). llama.cpp's are its cache's allocation:
+global layers n_ctx cells, sliding layers min(n_ctx, window + n_ubatch) cells rounded up to 256
+(llama.cpp's iSWA cache), times the bytes per cell of its KV types (f16: 2 per value; q8_0: 34 per
+32; q4_0: 18 per 32). Our export: spec default, ONNX int4 weights (MatMulNBits), native kernel,
+cached in ~/.cache/pagedkv/bench-artifacts. Writes benchmarks/results/gemma_long.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+REPO = Path(__file__).resolve().parents[1]
+TEXT = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+WARMUP = 4
+# Gemma 3 270M: 18 layers (every 6th global), 1 KV head x 256, sliding window 512
+LAYERS, GLOBAL_LAYERS, KV_DIM, WINDOW = 18, 3, 256, 512
+LLAMACPP_BYTES = {"f16": (2, 1), "q8_0": (34, 32), "q4_0": (18, 32)}  # bytes per values
+
+
+def llamacpp_kv_bytes(type_k: str, type_v: str, n_ctx: int, n_ubatch: int = 512) -> int:
+    def cells_bytes(cells: int, t: str) -> int:
+        num, den = LLAMACPP_BYTES[t]
+        return cells * KV_DIM * num // den
+
+    swa_cells = min(n_ctx, -(-(WINDOW + n_ubatch) // 256) * 256)
+    per = lambda cells: cells_bytes(cells, type_k) + cells_bytes(cells, type_v)  # noqa: E731
+    return GLOBAL_LAYERS * per(n_ctx) + (LAYERS - GLOBAL_LAYERS) * per(swa_cells)
+
+
+def worker(args) -> int:
+    """In the llama.cpp venv: prefill the ids, time `steps` greedy decode steps."""
+    import numpy as np
+
+    import llama_cpp
+
+    ids = json.loads(Path(args.ids).read_text())
+    types = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
+    tk, tv = args.kv.split("/")
+    n_ctx = -(-(len(ids) + args.steps + WARMUP + 1) // 256) * 256
+    llm = llama_cpp.Llama(model_path=args.gguf, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=args.threads,
+                          n_threads_batch=args.threads, flash_attn=True, type_k=types[tk], type_v=types[tv],
+                          logits_all=False, verbose=False)
+    n_vocab = llm.n_vocab()
+
+    def forward(toks):
+        llm.eval(toks)
+        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(n_vocab,))
+
+    t0 = time.perf_counter()
+    tok = int(np.argmax(forward(ids)))
+    prefill_s = time.perf_counter() - t0
+    for _ in range(WARMUP):
+        tok = int(np.argmax(forward([tok])))
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        tok = int(np.argmax(forward([tok])))
+    decode_s = time.perf_counter() - t0
+    print(json.dumps({"prefill_s": prefill_s, "decode_tok_s": args.steps / decode_s, "n_ctx": n_ctx,
+                      "kv_bytes": llamacpp_kv_bytes(tk, tv, n_ctx)}))
+    return 0
+
+
+def export_ours(max_ctx: int) -> Path:
+    from export.artifacts import PoolRequest, export_artifacts
+
+    pool_tokens = -(-(max_ctx + 256) // 1024) * 1024
+    out = Path.home() / ".cache" / "pagedkv" / "bench-artifacts" / f"gemma3-270m-onnx-int4-default-{pool_tokens}"
+    if not (out / "pagedkv.json").is_file():
+        export_artifacts("gemma3-270m", out, ("onnx",), "default", PoolRequest(pool_tokens=pool_tokens, max_seqs=1),
+                         onnx_weights="int4", force=True)
+    return out
+
+
+def run_ours(art: Path, ids: list[int], steps: int, threads: int) -> dict:
+    import numpy as np
+
+    from runtime_sim.session import open_artifacts
+
+    engine = open_artifacts(art, "onnxruntime", threads=threads)
+    cid = engine.new_conversation()
+    t0 = time.perf_counter()
+    tok = int(np.argmax(engine.prefill(cid, ids)))
+    prefill_s = time.perf_counter() - t0
+    for _ in range(WARMUP):
+        tok = int(np.argmax(engine.step({cid: [tok]})[cid]))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tok = int(np.argmax(engine.step({cid: [tok]})[cid]))
+    decode_s = time.perf_counter() - t0
+    st = engine.stats()
+    lay = engine.backend.layout
+    n = engine.pool.length(engine.conversations[cid].seq)
+    one_table = -(-n // lay.block_size) * lay.block_size * lay.bytes_per_token + lay.stage_bytes_per_sequence
+    return {"prefill_s": prefill_s, "decode_tok_s": steps / decode_s, "kv_bytes": st["kv_bytes_in_use"],
+            "kv_bytes_one_table": one_table, "groups": st.get("groups"), "tokens": n}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ctx", type=int, nargs="+", default=[2048, 8192, 32768])
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--llamacpp-venv", type=Path, default=Path.home() / ".cache" / "pagedkv" / "llamacpp-venv")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gemma_long.json")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--gguf", help=argparse.SUPPRESS)
+    ap.add_argument("--ids", help=argparse.SUPPRESS)
+    ap.add_argument("--kv", default="f16/f16", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+
+    sys.path.insert(0, str(REPO))
+    from toolkit.model_loading import gemma3_gguf_path, load_model
+
+    gguf = gemma3_gguf_path()
+    _, tok = load_model("gemma3-270m")
+    text = TEXT.read_text(encoding="utf-8")
+    all_ids = tok(text[: 8 * max(args.ctx)], add_special_tokens=False)["input_ids"]
+    art = export_ours(max(args.ctx))
+    report = {"model": "Gemma 3 270M (Q4_K_M GGUF)", "threads": args.threads, "steps": args.steps,
+              "cpu": _cpu_name(), "ours": "ONNX int4 weights, KV spec default, layer groups, onnxruntime",
+              "runs": []}
+    for ctx in args.ctx:
+        ids = [tok.bos_token_id] + all_ids[: ctx - 1]
+        row = {"ctx": ctx, "ours": run_ours(art, ids, args.steps, args.threads)}
+        if not args.skip_llamacpp:
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                json.dump(ids, f)
+            for kv in ("f16/f16", "q8_0/q4_0"):
+                p = subprocess.run([str(args.llamacpp_venv / "bin" / "python"), __file__, "--worker", "--gguf",
+                                    str(gguf), "--ids", f.name, "--kv", kv, "--steps", str(args.steps),
+                                    "--threads", str(args.threads)], capture_output=True, text=True)
+                row[f"llamacpp {kv}"] = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else \
+                    {"error": p.stderr.strip()[-400:]}
+            os.unlink(f.name)
+        report["runs"].append(row)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        _print_row(row)
+    return 0
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "?"
+
+
+def _print_row(row: dict) -> None:
+    o = row["ours"]
+    print(f"\nctx {row['ctx']}: ours KV {o['kv_bytes'] / 2**20:.1f} MiB (one table for all layers: "
+          f"{o['kv_bytes_one_table'] / 2**20:.1f} MiB), decode {o['decode_tok_s']:.1f} tok/s, prefill {o['prefill_s']:.0f} s")
+    for k in ("llamacpp f16/f16", "llamacpp q8_0/q4_0"):
+        r = row.get(k)
+        if r and "error" not in r:
+            print(f"  {k}: KV {r['kv_bytes'] / 2**20:.1f} MiB (ours {o['kv_bytes'] / r['kv_bytes']:.2f}x), decode "
+                  f"{r['decode_tok_s']:.1f} tok/s (ours {o['decode_tok_s'] / r['decode_tok_s']:.2f}x)")
+        elif r:
+            print(f"  {k}: failed: {r['error']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
