@@ -129,3 +129,32 @@ def test_cli_aarch64_under_qemu(fixtures):
     assert r["generated"] == fixtures[1]["hf_greedy"]
     assert r["isa"] == "neon-dotprod"
     assert r["weights_file_resident_bytes"] > 0 and r["peak_rss_bytes"] > 0
+
+
+def test_cli_runs_8da4w_e8_with_embedding_byte(host_cli, fixtures, tmp_path):
+    """.pte weights 8da4w-e8: the token embedding is int8 (quantized_decomposed::embedding_byte, linked
+    into the runner); the runner's greedy tokens equal runtime_sim's on the same program."""
+    import make_fixtures
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    from export.artifacts import PoolRequest, export_artifacts
+    from runtime_sim.session import open_artifacts
+    from toolkit.tiny_models import tiny_model
+
+    art = tmp_path / "e8"
+    tok = make_fixtures.tiny_bpe_tokenizer()
+    export_artifacts("tiny-llama", art, formats=("pte",), spec="fp32",
+                     pool=PoolRequest(pool_tokens=512, max_seqs=2, block_size=16), max_tokens_per_call=32,
+                     model_and_tokenizer=(tiny_model("llama"), tok), pte_weights="8da4w-e8")
+    res = deserialize_pte_binary((art / "model.pte").read_bytes())
+    ops = {op.name for op in getattr(res, "program", res).execution_plan[0].operators}
+    assert "quantized_decomposed::embedding_byte" in ops and "aten::embedding" not in ops, ops
+    _, case = fixtures
+    p = subprocess.run([str(host_cli), str(art), "--prompt-file", str(fixtures[0] / "prompt.txt"), "--ctx",
+                        str(len(case["prompt_ids"])), "--decode", "12", "--threads", "1", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])["generated"]
+    engine = open_artifacts(art, "executorch")
+    sim = list(engine.generate(engine.new_conversation(), case["prompt_ids"], max_new_tokens=12))
+    assert got == sim
