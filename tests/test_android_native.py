@@ -168,11 +168,11 @@ def test_aarch64_under_qemu(fixtures):
     run(["bash", CI, "cross"], timeout=1800)
     build = REPO / "build" / "android-aarch64"
     flags = (build / "CMakeCache.txt").read_text()
-    assert re.search(r"^CMAKE_CXX_COMPILER:\w+=clang\+\+$", flags, re.M) and "PAGEDKV_WERROR:BOOL=ON" in flags
+    assert "PAGEDKV_WERROR:BOOL=ON" in flags
     for name in ("libpagedkv_runner.so", "libpagedkv_jni.so"):
         lib = build / name
-        assert "Machine:                           AArch64" in run(["readelf", "-h", lib])
-        assert "Debian clang" in run(["readelf", "-p", ".comment", lib])
+        assert re.search(r"Machine:\s+AArch64", run(["readelf", "-h", lib]))
+        assert "clang version" in run(["readelf", "-p", ".comment", lib])  # built by clang, not g++
         # Android 15's 16 KB pages: every LOAD segment aligned to 16 KB, offset and address congruent
         for off, vaddr, align in load_segments(lib):
             assert align >= 16384 and align % 16384 == 0 and off % 16384 == vaddr % 16384, (name, off, vaddr, align)
