@@ -200,10 +200,40 @@ def export_onnx(paged: PagedModel, path: Path, progress=None) -> dict:
     return {"file": path.name, "inputs": inputs, "outputs": outputs}
 
 
+def fold_weight_transposes(model: onnx.ModelProto) -> int:
+    """MatMul(x, Transpose(W)) with W an initializer -> MatMul(x, W^T) with W^T a new initializer.
+
+    A tied LM head exports as the embedding table through a Transpose: the quantizer only takes a
+    MatMul whose weight is an initializer, so the head would stay fp32 (and keep the fp32 table alive
+    beside its quantized Gather copy). Returns the number of Transposes folded."""
+    from onnx import numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    users: dict[str, list] = {}
+    for n in model.graph.node:
+        for x in n.input:
+            users.setdefault(x, []).append(n)
+    folded = 0
+    for n in list(model.graph.node):
+        if n.op_type != "Transpose" or n.input[0] not in inits or len(inits[n.input[0]].dims) != 2:
+            continue
+        perm = [list(a.ints) for a in n.attribute if a.name == "perm"]
+        if perm and perm[0] != [1, 0]:
+            continue
+        if not all(u.op_type == "MatMul" and list(u.input).index(n.output[0]) == 1 for u in users.get(n.output[0], [])):
+            continue
+        w = numpy_helper.to_array(inits[n.input[0]])
+        model.graph.initializer.append(numpy_helper.from_array(w.T.copy(), name=n.output[0]))
+        model.graph.node.remove(n)
+        folded += 1
+    return folded
+
+
 def quantize_weights_int4(path: Path, block_size: int = 32, embedding: bool = False) -> None:
     """Rewrite the .onnx in place with MatMul weights as int4 MatMulNBits (onnxruntime's quantizer);
     with embedding=True the token embedding's Gather too, as int4 GatherBlockQuantized (blocks of
-    block_size along the hidden dim: SmolLM2's 113 MB fp32 table becomes ~16 MB)."""
+    block_size along the hidden dim: SmolLM2's 113 MB fp32 table becomes ~16 MB), and a tied head's
+    Transpose is folded first so that the head is int4 too and no fp32 copy of the table is left."""
     import logging
 
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
@@ -211,6 +241,8 @@ def quantize_weights_int4(path: Path, block_size: int = 32, embedding: bool = Fa
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     model = onnx.load(str(path))
+    if embedding:
+        fold_weight_transposes(model)
     ops = ("MatMul", "Gather") if embedding else ("MatMul",)
     quant = MatMulNBitsQuantizer(model, block_size=block_size, is_symmetric=True, accuracy_level=4,
                                  op_types_to_quantize=ops, quant_axes=(("MatMul", 0), ("Gather", 1)))
