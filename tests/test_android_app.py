@@ -124,7 +124,7 @@ def test_gradle_toolchain_pins():
     assert 'ndkVersion = "28.2.13676358"' in app  # r28c
     assert re.search(r'version = "3\.31\.\d+"', app)
     assert "-DANDROID_STL=c++_static" in app and "max-page-size=16384" in app and "-DPAGEDKV_EXECUTORCH=source" in app
-    assert "executorch-android" not in app and "pickFirsts" not in app  # no AAR, no shared STL copies
+    assert "org.pytorch:executorch-android" not in app and "pickFirsts" not in app  # no AAR, no shared STL copies
     readme = (REPO / "android_demo" / "README.md").read_text()
     for v in ("8.11.1", "8.9.1", KOTLIN_VERSION, "28.2.13676358", "3.31.6", "v1.5.1"):
         assert v in readme, v
