@@ -1,0 +1,218 @@
+"""Save and restore a conversation (Engine.save / Engine.restore) against re-prefilling it, and the file
+against llama.cpp's state file for the same conversation.
+
+    python benchmarks/save_restore.py                       # ctx 2048 and 8192, 2 threads, 3 repeats
+    python benchmarks/save_restore.py --ctx 2048 --repeats 1 --skip-llamacpp
+
+Model: SmolLM2-135M-Instruct; ours = the `default` KV spec (K8/V4, rotation, fp16 sink and tail) .onnx with
+int4 MatMulNBits weights on onnxruntime with the native kernel (the e2e benchmark's `ours-onnx-int4`
+artifact, exported once into ~/.cache/pagedkv/bench-artifacts and shared with benchmarks/e2e.py). For each
+context the first `ctx` tokens of wikitext-2 (test) are prefilled in chunks of 64, then, per repeat:
+
+  save       Engine.save to a file (gather the blocks' records, write, fsync, rename)
+  restore    Engine.restore of that file into the pool (read, CRC-32, checks, scatter into fresh blocks);
+             the file was just written, so it is read from the OS page cache, not from flash
+  prefill    the same tokens prefilled again into an empty conversation (what a restart costs without a file)
+
+and the next token's logits after the restore must equal those after the re-prefill bit for bit.
+
+llama.cpp (llama-cpp-python==0.3.36 in ~/.cache/pagedkv/llamacpp-venv, built as benchmarks/e2e.py builds
+it, on the GGUF the same model comes from): the same tokens evaluated with an f16 (and a q8_0/q4_0) KV
+cache, then `llama_state_seq_save_file` (the sequence's KV cells and its tokens, the file a chat app keeps)
+and `llama_state_seq_load_file` into a fresh context, timed, and the file's size; also the size of
+`llama_state_seq_get_size` (the sequence state in memory).
+
+Writes --json (default benchmarks/results/save_restore.json) and prints a markdown table and the targets:
+restore at 8K at least 20x faster than re-prefill; our file at most 0.45x llama.cpp's f16 state file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.e2e import (DEFAULT_TEXT, cache_root, ensure_artifact, ensure_llamacpp, last_json,  # noqa: E402
+                            llamacpp_python, prepare_ids, worker_env)
+
+LLAMACPP_SCRIPT = r"""
+import ctypes, json, os, sys, time
+import llama_cpp
+a = json.loads(sys.argv[1])
+ids = json.load(open(a["ids"]))[:a["ctx"]]
+types = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
+def make():
+    return llama_cpp.Llama(model_path=a["gguf"], n_ctx=-(-(a["ctx"] + 64) // 256) * 256, n_batch=512, n_ubatch=512,
+                           n_threads=a["threads"], n_threads_batch=a["threads"], flash_attn=True,
+                           type_k=types[a["k"]], type_v=types[a["v"]], verbose=False, use_mmap=True)
+llm = make()
+t0 = time.perf_counter(); llm.eval(ids); prefill_s = time.perf_counter() - t0
+seq_bytes = llama_cpp.llama_state_seq_get_size(llm.ctx, 0)
+path = a["path"].encode()
+toks = (llama_cpp.llama_token * len(ids))(*ids)
+saves, loads = [], []
+fresh = make()
+for _ in range(a["repeats"]):
+    t0 = time.perf_counter()
+    n = llama_cpp.llama_state_seq_save_file(llm.ctx, path, 0, toks, len(ids))
+    fd = os.open(a["path"], os.O_RDONLY); os.fsync(fd); os.close(fd)  # as durable as ours (we fsync)
+    saves.append(time.perf_counter() - t0)
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(fresh.ctx), True)
+    out = (llama_cpp.llama_token * (len(ids) + 8))()
+    count = ctypes.c_size_t(0)
+    t0 = time.perf_counter()
+    got = llama_cpp.llama_state_seq_load_file(fresh.ctx, path, 0, out, len(ids) + 8, ctypes.byref(count))
+    loads.append(time.perf_counter() - t0)
+    assert got > 0 and count.value == len(ids), (got, count.value)
+print(json.dumps({"prefill_s": prefill_s, "seq_state_bytes": int(seq_bytes), "file_bytes": os.path.getsize(a["path"]),
+                  "save_s": saves, "restore_s": loads, "version": llama_cpp.__version__}))
+"""
+
+
+def log(msg: str) -> None:
+    print(f"[save_restore {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run_ours(art: Path, ids: list[int], ctx: int, threads: int, repeats: int, tmp: Path) -> dict:
+    import numpy as np
+
+    from runtime_sim.session import open_artifacts
+
+    engine = open_artifacts(art, "onnxruntime", native=True, threads=threads, prefill_chunk=64)
+    prompt, nxt = ids[:ctx], [ids[ctx]]
+    conv = engine.new_conversation()
+    engine.prefill(conv, prompt)  # warm-up prefill (first-call allocations), not timed
+    path = tmp / f"ours-{ctx}.pkvc"
+    saves, restores, prefills, equal = [], [], [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        size = engine.save(conv, path)
+        saves.append(time.perf_counter() - t0)
+        engine.close(conv)
+        t0 = time.perf_counter()
+        conv = engine.restore(path)
+        restores.append(time.perf_counter() - t0)
+        restored = engine.step({conv: nxt})[conv]
+        engine.close(conv)
+        conv = engine.new_conversation()
+        t0 = time.perf_counter()
+        engine.prefill(conv, prompt)
+        prefills.append(time.perf_counter() - t0)
+        reprefilled = engine.step({conv: nxt})[conv]
+        equal.append(bool(np.array_equal(restored, reprefilled)))
+        engine.clear(conv)
+        engine.prefill(conv, prompt)  # the conversation to save next time: exactly `ctx` tokens
+    lay = engine.backend.layout
+    return {"file_bytes": size, "save_s": saves, "restore_s": restores, "prefill_s": prefills,
+            "logits_equal": equal, "kv_bytes_in_use": engine.stats()["kv_bytes_in_use"],
+            "bytes_per_token": lay.bytes_per_token, "stage_bytes": lay.stage_bytes_per_sequence,
+            "kernel_isa": os.environ.get("PAGEDKV_ISA", "auto")}
+
+
+def run_llamacpp(venv: Path, gguf: str, ids_file: Path, ctx: int, threads: int, repeats: int, kv: str,
+                 tmp: Path) -> dict:
+    k, v = kv.split("/")
+    arg = json.dumps({"ids": str(ids_file), "ctx": ctx, "gguf": gguf, "threads": threads, "repeats": repeats,
+                      "k": k, "v": v, "path": str(tmp / f"llama-{ctx}-{k}.bin")})
+    p = subprocess.run([str(llamacpp_python(venv)), "-c", LLAMACPP_SCRIPT, arg], capture_output=True, text=True,
+                       timeout=3600, env=worker_env(threads))
+    res = last_json(p.stdout)
+    if p.returncode != 0 or res is None:
+        return {"ok": False, "error": f"exit {p.returncode}: {p.stderr.strip().splitlines()[-3:]}"}
+    return {"ok": True, **res}
+
+
+def med(xs):
+    return statistics.median(xs) if xs else None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ctx", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--llamacpp-venv", type=Path, default=cache_root() / "llamacpp-venv")
+    ap.add_argument("--dir", type=Path, default=None, help="where the files are written (default: a temp dir)")
+    ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "save_restore.json")
+    args = ap.parse_args(argv)
+
+    from toolkit.model_loading import smollm2_gguf_path
+
+    ids_file = prepare_ids(DEFAULT_TEXT, max(args.ctx))
+    ids = json.loads(ids_file.read_text())
+    pool_tokens = max(8192, max(args.ctx)) + 64
+    art = ensure_artifact(cache_root() / "bench-artifacts" / f"smollm2-default-p{pool_tokens}-s1", "onnx-int4",
+                          "default", pool_tokens, args.threads, 7200)
+    if not art["ok"]:
+        raise SystemExit(f"export failed: {art['error']}")
+    llama_ok, llama_version = (False, "skipped")
+    if not args.skip_llamacpp:
+        llama_ok, llama_version = ensure_llamacpp(args.llamacpp_venv)
+        if not llama_ok:
+            log(f"llama.cpp unavailable: {llama_version}")
+    gguf = str(smollm2_gguf_path())
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        tmp = Path(tmp)
+        for ctx in args.ctx:
+            log(f"ctx {ctx}: ours")
+            row = {"ctx": ctx, "ours": run_ours(Path(art["dir"]), ids, ctx, args.threads, args.repeats, tmp)}
+            for kv in (["f16/f16", "q8_0/q4_0"] if llama_ok else []):
+                log(f"ctx {ctx}: llama.cpp {kv}")
+                row[f"llamacpp_{kv.replace('/', '_')}"] = run_llamacpp(args.llamacpp_venv, gguf, ids_file, ctx,
+                                                                       args.threads, args.repeats, kv, tmp)
+            rows.append(row)
+            (tmp / f"ours-{ctx}.pkvc").unlink(missing_ok=True)
+
+    lines = ["| ctx | our file | save | restore | re-prefill | restore speed-up | logits equal | llama.cpp f16 "
+             "state file | ours / f16 | llama.cpp f16 save / load | llama.cpp q8_0/q4_0 file |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    targets = []
+    for r in rows:
+        o = r["ours"]
+        speed = med(o["prefill_s"]) / med(o["restore_s"])
+        f16, q = r.get("llamacpp_f16_f16", {}), r.get("llamacpp_q8_0_q4_0", {})
+        ratio = o["file_bytes"] / f16["file_bytes"] if f16.get("ok") else None
+        r["summary"] = {"save_s": med(o["save_s"]), "restore_s": med(o["restore_s"]), "prefill_s": med(o["prefill_s"]),
+                        "restore_speedup": speed, "file_vs_llamacpp_f16": ratio}
+        mb = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+        lines.append(
+            f"| {r['ctx']} | {mb(o['file_bytes'])} | {med(o['save_s']) * 1e3:.0f} ms | {med(o['restore_s']) * 1e3:.0f} ms "
+            f"| {med(o['prefill_s']):.2f} s | {speed:.0f}x | {all(o['logits_equal'])} | "
+            + (f"{mb(f16['file_bytes'])} | {ratio:.2f}x | {med(f16['save_s']) * 1e3:.0f} / "
+               f"{med(f16['restore_s']) * 1e3:.0f} ms | " if f16.get("ok") else "- | - | - | ")
+            + (f"{mb(q['file_bytes'])} |" if q.get("ok") else "- |"))
+        if r["ctx"] == 8192:
+            targets.append(f"restore at 8K {speed:.0f}x faster than re-prefill (target >= 20x): "
+                           f"{'met' if speed >= 20 else 'NOT met'}")
+        if ratio is not None:
+            targets.append(f"file at {r['ctx']} = {ratio:.3f}x llama.cpp's f16 state file (target <= 0.45x): "
+                           f"{'met' if ratio <= 0.45 else 'NOT met'}")
+    print("\n".join(lines + [""] + targets))
+    out = {"benchmark": "save_restore", "model": "SmolLM2-135M-Instruct", "spec": "default",
+           "ours": "onnxruntime, int4 MatMulNBits weights, native pagedkv kernel", "threads": args.threads,
+           "repeats": args.repeats, "cpu": platform.processor() or platform.machine(),
+           "cpu_model": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                              if ln.startswith("model name")), "?"),
+           "llama_cpp": llama_version, "rows": rows, "targets": targets,
+           "command": "python benchmarks/save_restore.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=1))
+    log(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
