@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv demo test pytest clean bench
+.PHONY: venv demo test test-fast pytest clean bench
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,10 @@ pytest: venv native
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 test: venv native-test pytest
+
+# the edit loop: the tests marked fast in tests/conftest.py (no cross builds, exports or sanitizers)
+test-fast: venv native
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m fast
 
 clean:
 	rm -rf build .hypothesis

@@ -13,7 +13,6 @@ from toolkit.errors import ArtifactError
 from toolkit.tiny_models import tiny_bpe_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-WIKI = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 
 # exercises a default system turn, loop variables, the special-token variables and the generation prompt
 TEMPLATE = (
@@ -30,8 +29,8 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    lines = [ln for ln in WIKI.read_text(encoding="utf-8").splitlines() if ln.strip()][:2000]
+def saved(tmp_path_factory, wikitext):
+    lines = [ln for ln in wikitext.read_text(encoding="utf-8").splitlines() if ln.strip()][:2000]
     tok = tiny_bpe_tokenizer(lines)
     tok.chat_template = TEMPLATE
     d = tmp_path_factory.mktemp("tok")

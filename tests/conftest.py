@@ -1,0 +1,47 @@
+"""Test selection for the edit loop, and the one way tests reach data outside the repository.
+
+`make test` runs everything (it is what CI runs). `make test-fast` runs only the tests marked `fast`
+here: no cross builds, no qemu, no ExecuTorch lowering, and the compiler checked on one family
+(llama) only; a few minutes on 2 cores. The choice lives in this one place instead of decorators
+scattered over the files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# The only data tests read from outside the repository: ../shared/data (see README).
+SHARED_DATA = REPO.parent / "shared" / "data"
+WIKITEXT = SHARED_DATA / "wikitext-2-raw" / "wiki.test.raw"
+
+# Whole modules that are fast: pure Python or one small native build of their own.
+FAST_MODULES = {
+    "test_block_pool", "test_op_reference", "test_plan", "test_simulate", "test_tokenizer", "test_op_contract",
+    "test_twins", "test_model_loading", "test_fidelity", "test_engine",
+}
+# In these modules, the tests whose node id contains one of the strings are fast.
+FAST_TESTS = {
+    "test_compiler": ("[llama]", "preflight", "rejects_bad_spec", "model_dims"),
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fast: part of `make test-fast` (the edit loop); see tests/conftest.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module in FAST_MODULES or any(s in item.nodeid for s in FAST_TESTS.get(module, ())):
+            item.add_marker(pytest.mark.fast)
+
+
+@pytest.fixture(scope="session")
+def wikitext() -> Path:
+    """wikitext-2's test split from ../shared/data (a clear failure if the checkout has no shared/)."""
+    if not WIKITEXT.is_file():
+        pytest.fail(f"{WIKITEXT} is missing: the tests read wikitext-2 from ../shared/data beside the checkout.")
+    return WIKITEXT
