@@ -52,6 +52,12 @@ PYEOF
   echo "$root"
 }
 
+# One build per build dir at a time: pytest workers (tests/test_android_*.py, test_runner_cli.py) call this
+# concurrently, and two makes in one tree race.
+mkdir -p "$REPO/build"
+exec 9>"$REPO/build/.android-native-build.lock"
+flock 9
+
 case "${1:-}" in
   host)
     need g++ javac
