@@ -52,20 +52,24 @@ PYEOF
   echo "$root"
 }
 
-# One build per build dir at a time: pytest workers (tests/test_android_*.py, test_runner_cli.py) call this
-# concurrently, and two makes in one tree race.
-mkdir -p "$REPO/build"
-exec 9>"$REPO/build/.android-native-build.lock"
-flock 9
+# One build at a time: pytest workers (tests/test_android_*.py, test_runner_cli.py) call this
+# concurrently, and two makes in one tree race. Held by the builds only, not by the test runs.
+build_lock() {
+  mkdir -p "$REPO/build"
+  exec 9>"$REPO/build/.android-native-build.lock"
+  flock 9
+}
 
 case "${1:-}" in
   host)
     need g++ javac
+    build_lock
     "$CMAKE" -S "$HERE" -B "$REPO/build/android-host" -DPAGEDKV_PYTHON="$PY" >/dev/null
     "$CMAKE" --build "$REPO/build/android-host" -j "$JOBS"
     ;;
   cross)
     need clang clang++ ld.lld aarch64-linux-gnu-g++ qemu-aarch64-static javac
+    build_lock
     ET_ROOT="$(aarch64_executorch)"
     "$CMAKE" -S "$HERE" -B "$REPO/build/android-aarch64" \
       -DCMAKE_TOOLCHAIN_FILE="$HERE/toolchain-aarch64-linux-gnu.cmake" -DEXECUTORCH_ROOT="$ET_ROOT" \
