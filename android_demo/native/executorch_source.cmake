@@ -12,7 +12,8 @@
 # <executorch/...> relative to the parent dir).
 
 # the submodules this configuration builds from (a subset of ExecuTorch's .gitmodules; third-party/json and
-# gflags are added by its third-party/CMakeLists.txt in every configuration)
+# gflags are added by its third-party/CMakeLists.txt in every configuration; pocketfft is the optimized
+# kernels' FFT)
 set(PAGEDKV_EXECUTORCH_SUBMODULES
     backends/xnnpack/third-party/XNNPACK
     backends/xnnpack/third-party/cpuinfo
@@ -23,6 +24,7 @@ set(PAGEDKV_EXECUTORCH_SUBMODULES
     third-party/flatcc
     third-party/json
     third-party/gflags
+    third-party/pocketfft
     kernels/optimized/third-party/eigen)
 
 macro(pagedkv_executorch_from_source)
