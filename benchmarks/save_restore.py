@@ -62,19 +62,19 @@ seq_bytes = llama_cpp.llama_state_seq_get_size(llm.ctx, 0)
 path = a["path"].encode()
 toks = (llama_cpp.llama_token * len(ids))(*ids)
 saves, loads = [], []
-fresh = make()
 for _ in range(a["repeats"]):
+    fresh = make()  # an empty context to load into (a restarted app)
     t0 = time.perf_counter()
     n = llama_cpp.llama_state_seq_save_file(llm.ctx, path, 0, toks, len(ids))
     fd = os.open(a["path"], os.O_RDONLY); os.fsync(fd); os.close(fd)  # as durable as ours (we fsync)
     saves.append(time.perf_counter() - t0)
-    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(fresh.ctx), True)
     out = (llama_cpp.llama_token * (len(ids) + 8))()
     count = ctypes.c_size_t(0)
     t0 = time.perf_counter()
     got = llama_cpp.llama_state_seq_load_file(fresh.ctx, path, 0, out, len(ids) + 8, ctypes.byref(count))
     loads.append(time.perf_counter() - t0)
     assert got > 0 and count.value == len(ids), (got, count.value)
+    del fresh
 print(json.dumps({"prefill_s": prefill_s, "seq_state_bytes": int(seq_bytes), "file_bytes": os.path.getsize(a["path"]),
                   "save_s": saves, "restore_s": loads, "version": llama_cpp.__version__}))
 """
@@ -95,7 +95,7 @@ def run_ours(art: Path, ids: list[int], ctx: int, threads: int, repeats: int, tm
     engine.prefill(conv, prompt)  # warm-up prefill (first-call allocations), not timed
     path = tmp / f"ours-{ctx}.pkvc"
     saves, restores, prefills, equal = [], [], [], []
-    for _ in range(repeats):
+    for rep in range(repeats):
         t0 = time.perf_counter()
         size = engine.save(conv, path)
         saves.append(time.perf_counter() - t0)
@@ -111,8 +111,9 @@ def run_ours(art: Path, ids: list[int], ctx: int, threads: int, repeats: int, tm
         prefills.append(time.perf_counter() - t0)
         reprefilled = engine.step({conv: nxt})[conv]
         equal.append(bool(np.array_equal(restored, reprefilled)))
-        engine.clear(conv)
-        engine.prefill(conv, prompt)  # the conversation to save next time: exactly `ctx` tokens
+        if rep < repeats - 1:
+            engine.clear(conv)
+            engine.prefill(conv, prompt)  # the conversation to save next time: exactly `ctx` tokens
     lay = engine.backend.layout
     return {"file_bytes": size, "save_s": saves, "restore_s": restores, "prefill_s": prefills,
             "logits_equal": equal, "kv_bytes_in_use": engine.stats()["kv_bytes_in_use"],
@@ -144,6 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-llamacpp", action="store_true")
     ap.add_argument("--llamacpp-venv", type=Path, default=cache_root() / "llamacpp-venv")
+    ap.add_argument("--artifacts", type=Path, default=None,
+                    help="a SmolLM2 onnx-int4 artifacts dir to use (default: the e2e benchmark's, exported once)")
     ap.add_argument("--dir", type=Path, default=None, help="where the files are written (default: a temp dir)")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "save_restore.json")
     args = ap.parse_args(argv)
@@ -153,7 +156,7 @@ def main(argv=None) -> int:
     ids_file = prepare_ids(DEFAULT_TEXT, max(args.ctx))
     ids = json.loads(ids_file.read_text())
     pool_tokens = max(8192, max(args.ctx)) + 64
-    art = ensure_artifact(cache_root() / "bench-artifacts" / f"smollm2-default-p{pool_tokens}-s1", "onnx-int4",
+    art = {"ok": True, "dir": str(args.artifacts)} if args.artifacts else ensure_artifact(cache_root() / "bench-artifacts" / f"smollm2-default-p{pool_tokens}-s1", "onnx-int4",
                           "default", pool_tokens, args.threads, 7200)
     if not art["ok"]:
         raise SystemExit(f"export failed: {art['error']}")
