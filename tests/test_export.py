@@ -63,8 +63,10 @@ def test_default_spec_logits_match_reference_op(quant_artifacts, backend, native
     family, art = quant_artifacts
     engine = open_artifacts(art, backend, native=native, prefill_chunk=16)
     lay = engine.backend.layout
+    sliding = [g.num_blocks for g in engine.groups if g.window]  # the export sized its sliding pools
     ref = Engine(TorchBackend(compile(tiny_model(family, num_layers=1), lay.spec, block_size=lay.block_size,
-                                      num_blocks=lay.num_blocks, max_seqs=lay.max_seqs)), prefill_chunk=16)
+                                      num_blocks=lay.num_blocks, max_seqs=lay.max_seqs,
+                                      sliding_blocks=max(sliding, default=None))), prefill_chunk=16)
     a, b = engine.new_conversation(), ref.new_conversation()
     # prefill chunks, then decode steps: quantized blocks, the float tail and the sink all in play.
     # Before each call the reference continues from the backend's pool: the backends' matmuls round
