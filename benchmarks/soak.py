@@ -164,6 +164,9 @@ def chat_soak(art: Path, policy: str, turns: int, chats: int, seed: int) -> dict
                 else:
                     raise AssertionError("a bad request was accepted")
             continue
+        if len(chat.messages) >= 24:  # a long chat: the user starts over (/clear) so turns stay short
+            chat.clear()
+            counts["clears"] += 1
         before = list(chat.messages)
         if r < 0.26:  # a message too long for the whole pool
             text = " ".join(rng.choice(lines) for _ in range(total * 2))
@@ -191,6 +194,8 @@ def chat_soak(art: Path, policy: str, turns: int, chats: int, seed: int) -> dict
                 counts["clears"] += 1
         if turn % 200 == 0:
             engine.pool.check_invariants()
+        if turn % 500 == 0:
+            print(f"  chat soak, policy {policy}: turn {turn}/{turns}", file=sys.stderr, flush=True)
     seconds = time.perf_counter() - t0
     for chat in sessions:
         engine.close(chat.cid)
@@ -215,13 +220,18 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, default=3000, help="chat turns per policy (chat soak)")
     ap.add_argument("--chats", type=int, default=3, help="chats alive at once in the chat soak")
     ap.add_argument("--chat-pool-tokens", type=int, default=512)
+    ap.add_argument("--chat-only", action="store_true", help="run only the chat soak; keep the decode rows of --json")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "soak.json")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        art = Path(tmp) / "tiny"
-        export_artifacts("tiny-llama", art, ("onnx",), "default", PoolRequest(pool_tokens=a.pool_tokens,
-                         max_seqs=a.convs), model_and_tokenizer=(tiny_model("llama"), None))
-        rows = [soak(art, policy, a.steps, a.convs, a.seed) for policy in ("error", "evict", "sliding")]
+        if a.chat_only:
+            old = json.loads(a.json.read_text())
+            rows, a.steps, a.convs, a.pool_tokens = old["rows"], old["steps"], old["convs"], old["pool_tokens"]
+        else:
+            art = Path(tmp) / "tiny"
+            export_artifacts("tiny-llama", art, ("onnx",), "default", PoolRequest(pool_tokens=a.pool_tokens,
+                             max_seqs=a.convs), model_and_tokenizer=(tiny_model("llama"), None))
+            rows = [soak(art, policy, a.steps, a.convs, a.seed) for policy in ("error", "evict", "sliding")]
         chat_art = Path(tmp) / "chat"
         tok = tiny_bpe_tokenizer([ln for ln in WIKI.read_text(encoding="utf-8").splitlines() if ln.strip()][:2000])
         tok.chat_template = ALTERNATING
