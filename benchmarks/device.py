@@ -37,11 +37,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from e2e import cache_root, cpu_model, median  # the shared helpers of the e2e benchmark (benchmarks/ is on sys.path)
 
 REPO = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve()
@@ -73,11 +74,6 @@ def log(msg: str) -> None:
     print(f"[device {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def cache_root() -> Path:
-    root = os.environ.get("PAGEDKV_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "pagedkv"
-
-
 def cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -86,16 +82,6 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def llamacpp_isa() -> str:
@@ -285,12 +271,6 @@ def run_one(name: str, ctx: int, args, ids_file: Path, arts: dict, gguf: str, ll
     res["wall_s"] = round(time.time() - t0, 1)
     res["loadavg_1m"] = round(os.getloadavg()[0], 2)
     return res
-
-
-def median(xs):
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 def make_rows(runs: dict, systems, ctxs, threads, spec_name: str) -> list[dict]:
