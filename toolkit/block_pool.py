@@ -143,25 +143,10 @@ class BlockPool:
         than len(token_ids), so the runtime prefills at least one token and gets logits.
         """
         token_ids = list(token_ids)
-        seq = self.new_sequence()
-        s = self._seqs[seq]
-        bs = self.block_size
-        prev = _ROOT_HASH
-        for i in range(max(0, (len(token_ids) - 1) // bs)):
-            key = (prev, tuple(token_ids[i * bs:(i + 1) * bs]))
-            h = _chain_hash(*key)
-            block = self._cache.get(h)
-            if block is None or self._block_key[block] != key:
-                break
-            if self._refcount[block] == 0:
-                del self._free[block]  # revive a released block that still holds this content
-            self._refcount[block] += 1
-            s.blocks.append(block)
-            s.hashes.append(h)
-            prev = h
-        s.length = s.reserved = len(s.blocks) * bs
-        s.tokens = token_ids[:s.length]
-        return seq, s.length
+        found = self.cached_prefix_blocks(token_ids)
+        n = found.index(None) if None in found else len(found)  # the cached run from the start
+        seq = self.new_sequence_from_blocks(token_ids[: n * self.block_size], found[:n])
+        return seq, n * self.block_size
 
     def cached_prefix_blocks(self, token_ids: list[int]) -> list[int | None]:
         """For each full block of token_ids (but never the last token's): the cached block holding it,
