@@ -8,7 +8,6 @@ g++-aarch64-linux-gnu, qemu-user-static; the aarch64 executorch wheel is fetched
 
 from __future__ import annotations
 
-import glob
 import json
 import re
 import shutil
@@ -23,7 +22,6 @@ NATIVE = REPO / "android_demo" / "native"
 CI = NATIVE / "ci_build.sh"
 HOST = REPO / "build" / "android-host"
 APT = "apt-get install -y cmake g++ openjdk-17-jdk-headless g++-aarch64-linux-gnu qemu-user-static adb"
-WIKI = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 
 sys.path.insert(0, str(NATIVE / "tests"))
 
@@ -81,8 +79,8 @@ def test_pool_arenas_hold_codes_at_offset_zero(fixtures):
     assert all(t.allocation_info.memory_offset_low == 0 and t.allocation_info.memory_offset_high == 0 for t in codes)
 
 
-def _tokenizer_lines(tmp_path) -> tuple[Path, list[str]]:
-    lines = [ln for ln in WIKI.read_text(encoding="utf-8").split("\n") if ln.strip()][:1500]
+def _tokenizer_lines(tmp_path, wikitext) -> tuple[Path, list[str]]:
+    lines = [ln for ln in wikitext.read_text(encoding="utf-8").split("\n") if ln.strip()][:1500]
     lines += ["Hello, world! \u00e9t\u00e9 \u4e2d\u6587 \U0001F600 tabs\tand  spaces", "don't I'll we've 'x' a''b",
               "  lead   many\n\n newlines  ", "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
               "1234567 3.14 \u0661\u0662 \u00bd"]
@@ -92,22 +90,22 @@ def _tokenizer_lines(tmp_path) -> tuple[Path, list[str]]:
     return path, lines
 
 
-def _smollm2_tokenizer_json() -> Path:
-    found = sorted(glob.glob(str(Path.home() / ".cache" / "pagedkv" / "gguf-fp32" / "*" / "tokenizer.json")))
-    if found:
-        return Path(found[0])
-    from toolkit.model_loading import cache_dir, load_model
+def _wiki_bpe_8k_tokenizer_json(tmp_path, wikitext) -> Path:
+    """A byte-level BPE of 8,000 tokens trained on wikitext-2 (the same pre-tokenizer and decoder as
+    SmolLM2's tokenizer: ByteLevel with its regex), so the C++ tokenizer meets thousands of merges."""
+    from toolkit.tiny_models import tiny_bpe_tokenizer
 
-    load_model("smollm2")  # converts once and caches the tokenizer next to the fp32 copy
-    return Path(sorted(glob.glob(str(cache_dir() / "gguf-fp32" / "*" / "tokenizer.json")))[0])
+    lines = [ln for ln in wikitext.read_text(encoding="utf-8").splitlines() if ln.strip()][:20000]
+    tiny_bpe_tokenizer(lines, vocab_size=8000).save_pretrained(tmp_path / "bpe8k")
+    return tmp_path / "bpe8k" / "tokenizer.json"
 
 
-@pytest.mark.parametrize("which", ["tiny-bpe", "smollm2"])
-def test_cpp_tokenizer_equals_hf(host_build, fixtures, tmp_path, which):
+@pytest.mark.parametrize("which", ["tiny-bpe", "wiki-bpe-8k"])
+def test_cpp_tokenizer_equals_hf(host_build, fixtures, tmp_path, wikitext, which):
     from tokenizers import Tokenizer
 
-    tj = fixtures / "artifacts" / "tokenizer.json" if which == "tiny-bpe" else _smollm2_tokenizer_json()
-    path, lines = _tokenizer_lines(tmp_path)
+    tj = fixtures / "artifacts" / "tokenizer.json" if which == "tiny-bpe" else _wiki_bpe_8k_tokenizer_json(tmp_path, wikitext)
+    path, lines = _tokenizer_lines(tmp_path, wikitext)
     out = run([host_build / "tokenize_cli", tj, path]).split("\n")
     hf = Tokenizer.from_file(str(tj))
     bad = [s for i, s in enumerate(lines) if [int(x) for x in out[i].split()] != hf.encode(s).ids]
