@@ -20,12 +20,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from export.artifacts import PoolRequest, export_artifacts
-from toolkit.manifest import read_manifest
-from runtime_sim.chat import ChatSession
-from runtime_sim.session import open_artifacts
 from toolkit.errors import PagedKVError
 from toolkit.kv_spec import fp16_bytes_per_token  # no torch: the chat process stays the runtime alone
+from toolkit.manifest import read_manifest
+
+# An entry point like the CLI: it imports the layers above the toolkit (export, runtime_sim) inside
+# the functions that use them, so nothing in toolkit/ depends on them at import time.
 
 ART_DIR = Path("artifacts/smollm2")
 WEIGHTS = "int4-e4"  # export.artifacts.ONNX_WEIGHTS: int4 linears + int4 embedding
@@ -69,6 +69,8 @@ def export_quietly() -> int:
     os.environ["TRANSFORMERS_VERBOSITY"] = "error"
     warnings.simplefilter("ignore")
     try:
+        from export.artifacts import PoolRequest, export_artifacts
+
         export_artifacts("smollm2", ART_DIR, ("onnx",), "default", PoolRequest(pool_tokens=POOL_TOKENS, max_seqs=4),
                          onnx_weights=WEIGHTS, console=progress, force=True)
     except PagedKVError as e:
@@ -85,6 +87,9 @@ def main() -> int:
         rc = subprocess.run([sys.executable, "-m", "toolkit.demo", "--export"]).returncode
         if rc != 0:
             return rc
+    from runtime_sim.chat import ChatSession
+    from runtime_sim.session import open_artifacts
+
     engine = open_artifacts(ART_DIR, "onnxruntime")
     be = engine.backend
     out.print(f"[bold]backend[/]: onnxruntime ({'native kernel' if be.native else 'standard-op fallback'}), "
