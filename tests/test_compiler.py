@@ -53,7 +53,8 @@ def paged_greedy_batch(paged, prompts: list[list[int]], steps: int, first_chunk:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fp32_pool_greedy_equals_hf(family):
     ref = tiny_model(family)
-    paged = compile(tiny_model(family), "fp32", block_size=BS, num_blocks=16, max_seqs=2)
+    # one block table for all layers (tests/test_groups.py covers per-group tables)
+    paged = compile(tiny_model(family), "fp32", block_size=BS, num_blocks=16, max_seqs=2, groups=False)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (37,), generator=g).tolist(), torch.randint(3, 512, (19,), generator=g).tolist()]
     steps = 34
@@ -126,7 +127,7 @@ def test_default_spec_equals_eager_on_stored_kv(family):
     # quantized data it uses is what the op stored.
     spec = PRESETS["default"]
     assert spec.fp_tail and spec.sink_blocks == 1 and BS < 30  # the calls below exercise sink, tail and codes
-    paged = compile(tiny_model(family, num_layers=1), spec, block_size=BS, num_blocks=8, max_seqs=1)
+    paged = compile(tiny_model(family, num_layers=1), spec, block_size=BS, num_blocks=8, max_seqs=1, groups=False)
     ids = torch.randint(3, 512, (1, 45), generator=torch.Generator().manual_seed(2))
     table = torch.arange(8)[None]
     snapshots = {}

@@ -514,7 +514,9 @@ def main():
         where = f"pagedkv {e.ctx.info_name} --help" if e.ctx and e.ctx.parent is not None else "pagedkv --help"
         console.print(f"[bold red]error:[/] {e.format_message()} (see `{where}`)")
         sys.exit(2)
-    except click_exc.Abort:  # Ctrl-C outside a reply
+    except typer.Exit as e:  # a command's own exit code (2 for bad input), raised in non-standalone mode
+        sys.exit(e.exit_code)
+    except typer.Abort:  # Ctrl-C outside a reply
         sys.exit(130)
     sys.exit(code if isinstance(code, int) else 0)
 
