@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from e2e import cache_root, cpu_model, median  # the shared helpers of the e2e benchmark (benchmarks/ is on sys.path)
+from e2e import cache_root, cpu_model, last_json, median, tail  # the shared helpers of the e2e benchmark (benchmarks/ is on sys.path)
 
 REPO = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve()
@@ -87,20 +87,6 @@ def cpu_flags() -> set[str]:
 def llamacpp_isa() -> str:
     f = cpu_flags()
     return "avx512" if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= f else "avx2"
-
-
-def last_json(stdout: str) -> dict | None:
-    for line in reversed((stdout or "").strip().splitlines()):
-        if line.strip().startswith("{"):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                return None
-    return None
-
-
-def tail(text: str, n: int = 4) -> str:
-    return " | ".join([ln for ln in (text or "").strip().splitlines() if ln.strip()][-n:])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,7 +178,7 @@ def ensure_artifact(kind: str, pool_tokens: int, timeout: int, reexport: bool = 
     d.with_name(d.name + ".log").write_text(p.stdout + "\n--- stderr ---\n" + p.stderr)
     res = last_json(p.stdout)
     if p.returncode != 0 or res is None:
-        return {"ok": False, "error": f"export exited {p.returncode}: {tail(p.stderr)}"}
+        return {"ok": False, "error": f"export exited {p.returncode}: {tail(p.stderr, 4)}"}
     log(f"exported {kind} in {res['seconds']} s ({res['bytes'] / 2**20:.0f} MiB)")
     return {"ok": True, "dir": str(d), "cached": False, **res}
 
@@ -215,10 +201,10 @@ def ensure_llamacpp(venv: Path, isa: str) -> tuple[bool, str]:
         p = subprocess.run([str(py), "-m", "pip", "install", "--no-cache-dir", "--force-reinstall", LLAMACPP_PKG,
                             "numpy"], stdout=f, stderr=subprocess.STDOUT, env=env)
     if p.returncode != 0:
-        return False, f"pip install {LLAMACPP_PKG} failed (exit {p.returncode}): {tail(logf.read_text())}"
+        return False, f"pip install {LLAMACPP_PKG} failed (exit {p.returncode}): {tail(logf.read_text(), 4)}"
     marker.write_text(want + "\n")
     r = subprocess.run(probe, capture_output=True, text=True)
-    return (r.returncode == 0, r.stdout.strip() if r.returncode == 0 else tail(r.stderr))
+    return (r.returncode == 0, r.stdout.strip() if r.returncode == 0 else tail(r.stderr, 4))
 
 
 def plan_estimate(art: str, ctx: int, decode: int, budget_mb: int) -> dict | None:
@@ -264,7 +250,7 @@ def run_one(name: str, ctx: int, args, ids_file: Path, arts: dict, gguf: str, ll
         return {"error": f"timed out after {args.run_timeout} s"}
     res = last_json(p.stdout)
     if p.returncode != 0 or res is None:
-        return {"error": f"exit {p.returncode}: {tail(p.stderr)}"}
+        return {"error": f"exit {p.returncode}: {tail(p.stderr, 4)}"}
     if s["kind"] == "runner":
         res["weights_resident_bytes"] = res["weights_file_resident_bytes"]
         res["budget_mb"] = budget

@@ -117,7 +117,7 @@ def worker_env(threads: int) -> dict:
 
 
 def last_json(stdout: str) -> dict | None:
-    for line in reversed(stdout.strip().splitlines()):
+    for line in reversed((stdout or "").strip().splitlines()):
         line = line.strip()
         if line.startswith("{"):
             try:
