@@ -23,6 +23,7 @@ import dataclasses
 import toolkit.paged_attention  # noqa: F401  (registers torch.ops.pagedkv)
 from toolkit.block_pool import LayerGroup
 from toolkit.errors import UnsupportedModelError
+from toolkit.model_dims import ModelDims, _text_config, layer_windows, model_dims  # noqa: F401  (re-exported)
 from toolkit.pool_layout import PoolLayout
 from toolkit.quant import KVQuantSpec, resolve_spec
 
@@ -32,10 +33,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2",
 
 # ----------------------------------------------------------------------------------------------
 # Preflight: reject what the op cannot express, before touching the model
-
-
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def preflight(config) -> None:
@@ -63,43 +60,6 @@ def preflight(config) -> None:
         )
     if getattr(cfg, "_attn_implementation", None) is None and not hasattr(cfg, "num_attention_heads"):
         raise UnsupportedModelError(f"model type '{mt}' has no num_attention_heads in its config.")
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-
-
-def model_dims(config) -> ModelDims:
-    cfg = _text_config(config)
-    heads = cfg.num_attention_heads
-    hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
-    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-    return ModelDims(
-        num_layers=cfg.num_hidden_layers,
-        num_heads=heads,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
-        vocab_size=cfg.vocab_size,
-    )
-
-
-def layer_windows(config) -> list[int]:
-    """Per layer, the sliding window HF's attention uses (0 = global): from config.layer_types where
-    the family has it (Gemma 2/3, Qwen2/3, ...), else config.sliding_window for every layer (Mistral)."""
-    cfg = _text_config(config)
-    n = cfg.num_hidden_layers
-    window = int(getattr(cfg, "sliding_window", None) or 0)
-    types = getattr(cfg, "layer_types", None)
-    if types is not None:
-        return [window if t == "sliding_attention" else 0 for t in types[:n]]
-    if getattr(cfg, "model_type", "") in ("mistral", "phi3"):
-        return [window] * n
-    return [0] * n
 
 
 def layer_groups(config, num_blocks: int, sliding_blocks: int | None = None) -> list[LayerGroup]:
