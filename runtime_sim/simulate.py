@@ -38,10 +38,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from runtime_sim.plan import (
-    DEFAULT_CTX, Dims, as_dims, blocks_for_budget, contiguous_buffer_bytes, format_bytes, parse_size, pool_layout,
+    DEFAULT_CTX, as_dims, blocks_for_budget, contiguous_buffer_bytes, format_bytes, parse_size, pool_layout,
 )
 from toolkit.block_pool import BlockPool
 from toolkit.errors import PoolExhausted, SpecError
+from toolkit.model_dims import ModelDims
 from toolkit.pool_layout import check_block_size
 from toolkit.kv_spec import bytes_per_token, fp16_bytes_per_token, parse_spec
 
@@ -297,7 +298,7 @@ def make_trace(cfg: SimConfig) -> list[Event]:
 class _Strategy:
     name = ""
 
-    def __init__(self, ram: AddressSpace, dims: Dims, cfg: SimConfig):
+    def __init__(self, ram: AddressSpace, dims: ModelDims, cfg: SimConfig):
         self.ram, self.dims, self.cfg = ram, dims, cfg
         self.lengths: dict[int, int] = {}  # live conversation -> tokens held
 
@@ -468,7 +469,7 @@ class Paged(_Strategy):
 # Running
 
 
-def _make_strategy(name: str, ram: AddressSpace, dims: Dims, cfg: SimConfig) -> _Strategy:
+def _make_strategy(name: str, ram: AddressSpace, dims: ModelDims, cfg: SimConfig) -> _Strategy:
     if name == "contiguous-fp16":
         return Contiguous(ram, dims, cfg)
     if name == "paged-fp16":
@@ -478,7 +479,7 @@ def _make_strategy(name: str, ram: AddressSpace, dims: Dims, cfg: SimConfig) -> 
     raise SpecError(f"unknown strategy '{name}': choose from {', '.join(STRATEGIES)}.")
 
 
-def run_strategy(name: str, events: list[Event], dims: Dims, cfg: SimConfig) -> dict:
+def run_strategy(name: str, events: list[Event], dims: ModelDims, cfg: SimConfig) -> dict:
     ram, app_ids = make_ram(cfg.ram_bytes, cfg.free_bytes(), cfg.fragmentation, cfg.seed)
     s = _make_strategy(name, ram, dims, cfg)
     failures: list[dict] = []
