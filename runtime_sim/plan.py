@@ -18,10 +18,11 @@ MODEL is a HF model dir (only config.json is read), a .gguf file (only its metad
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from toolkit.errors import ArtifactError, SpecError
+from toolkit.model_dims import ModelDims, layer_windows, model_dims
 from toolkit.pool_layout import VALID_BLOCK_SIZES, PoolLayout
 from toolkit.kv_spec import (
     DEFAULT_SPECS,
@@ -81,23 +82,12 @@ def format_bytes(n: float) -> str:
 # Model dims
 
 
-@dataclass(frozen=True)
-class Dims:
-    """What memory planning needs from a model (the same fields as toolkit.compiler.ModelDims)."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-
-
-# Dims of models we know without reading any file.
-KNOWN_DIMS: dict[str, Dims] = {
+# ModelDims of models we know without reading any file.
+KNOWN_DIMS: dict[str, ModelDims] = {
     # SmolLM2-135M(-Instruct): llama, hidden 576 = 9 heads x 64, GQA with 3 KV heads.
-    "smollm2": Dims(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, vocab_size=49152),
+    "smollm2": ModelDims(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, vocab_size=49152),
     # Gemma 3 270M: 18 layers, 4 heads, 1 KV head of 256; every 6th layer global, the others slide over 512.
-    "gemma3-270m": Dims(num_layers=18, num_heads=4, num_kv_heads=1, head_dim=256, vocab_size=262144),
+    "gemma3-270m": ModelDims(num_layers=18, num_heads=4, num_kv_heads=1, head_dim=256, vocab_size=262144),
 }
 # Per layer, the sliding window (0 = global attention) of the known models with sliding layers.
 KNOWN_WINDOWS: dict[str, list[int]] = {"gemma3-270m": ([512] * 5 + [0]) * 3}
@@ -111,7 +101,6 @@ def load_windows(model: str | Path | None = None) -> list[int]:
     name = "smollm2" if model is None else str(model)
     if name in KNOWN_DIMS:
         return KNOWN_WINDOWS.get(name, [0] * KNOWN_DIMS[name].num_layers)
-    from toolkit.compiler import layer_windows
     from toolkit.tiny_models import TINY_CONFIGS
 
     if name in TINY_CONFIGS:
@@ -126,7 +115,7 @@ def load_windows(model: str | Path | None = None) -> list[int]:
     return layer_windows(AutoConfig.from_pretrained(path))
 
 
-def grouped_fit(spec: KVQuantSpec, dims: Dims, windows: list[int], ram_bytes: int, block_size: int,
+def grouped_fit(spec: KVQuantSpec, dims: ModelDims, windows: list[int], ram_bytes: int, block_size: int,
                 max_seqs: int, chunk: int = PLAN_CHUNK) -> dict | None:
     """Tokens that fit when layers are grouped by attention type (toolkit.block_pool.GroupedBlockPool):
     each sliding layer's pool holds only max_seqs x window_blocks_needed(window, block_size, chunk)
@@ -151,13 +140,7 @@ def grouped_fit(spec: KVQuantSpec, dims: Dims, windows: list[int], ram_bytes: in
             "sliding_pool_bytes": sliding_bytes, "tokens_fit": tokens}
 
 
-def _dims_from_config(config) -> Dims:
-    from toolkit.compiler import model_dims  # imports transformers: only when a config is given
-
-    return Dims(**asdict(model_dims(config)))
-
-
-def load_dims(model: str | Path | None = None) -> Dims:
+def load_dims(model: str | Path | None = None) -> ModelDims:
     """Model dims from a known name, a tiny family name, a HF dir (config.json) or a .gguf (metadata)."""
     name = "smollm2" if model is None else str(model)
     if name in KNOWN_DIMS:
@@ -167,7 +150,7 @@ def load_dims(model: str | Path | None = None) -> Dims:
     if name in TINY_CONFIGS:
         from toolkit.tiny_models import tiny_config
 
-        return _dims_from_config(tiny_config(name))
+        return model_dims(tiny_config(name))
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -176,14 +159,14 @@ def load_dims(model: str | Path | None = None) -> Dims:
         from transformers import AutoConfig
 
         try:
-            return _dims_from_config(AutoConfig.from_pretrained(path))
+            return model_dims(AutoConfig.from_pretrained(path))
         except (OSError, ValueError, KeyError) as e:
             raise ArtifactError(f"cannot read the config in {path}: {e}") from e
     if path.is_file() and path.suffix.lower() == ".gguf":
         from transformers import AutoConfig
 
         try:
-            return _dims_from_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
+            return model_dims(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
         except Exception as e:  # gguf/transformers raise many types on a bad file
             raise ArtifactError(f"cannot read the GGUF metadata of {path}: {type(e).__name__}: {e}") from e
     raise ArtifactError(
@@ -192,31 +175,31 @@ def load_dims(model: str | Path | None = None) -> Dims:
     )
 
 
-def as_dims(config_or_dims) -> Dims:
-    """Dims from a Dims/ModelDims-like object, a HF config, or a model name/path (see load_dims)."""
+def as_dims(config_or_dims) -> ModelDims:
+    """ModelDims from a ModelDims-like object, a HF config, or a model name/path (see load_dims)."""
     if config_or_dims is None or isinstance(config_or_dims, (str, Path)):
         return load_dims(config_or_dims)
-    if isinstance(config_or_dims, Dims):
+    if isinstance(config_or_dims, ModelDims):
         return config_or_dims
     if all(hasattr(config_or_dims, f) for f in ("num_layers", "num_kv_heads", "head_dim")):
         g = lambda f, d=0: int(getattr(config_or_dims, f, d) or d)  # noqa: E731
-        return Dims(g("num_layers"), g("num_heads", g("num_kv_heads")), g("num_kv_heads"), g("head_dim"),
+        return ModelDims(g("num_layers"), g("num_heads", g("num_kv_heads")), g("num_kv_heads"), g("head_dim"),
                     g("vocab_size"))
-    return _dims_from_config(config_or_dims)
+    return model_dims(config_or_dims)
 
 
 # ----------------------------------------------------------------------------------------------
 # Pool sizing
 
 
-def pool_fixed_bytes(spec: KVQuantSpec, dims: Dims, block_size: int, max_seqs: int) -> int:
+def pool_fixed_bytes(spec: KVQuantSpec, dims: ModelDims, block_size: int, max_seqs: int) -> int:
     """Bytes of a pool that do not depend on its block count (scales placeholder of float pools,
     stage rows), all layers: PoolLayout.total_bytes == num_blocks * block_size * bytes_per_token + this."""
     one = PoolLayout(spec, dims.num_layers, dims.num_kv_heads, dims.head_dim, block_size, 1, max_seqs)
     return one.total_bytes - block_size * one.bytes_per_token
 
 
-def blocks_for_budget(spec: KVQuantSpec, dims: Dims, budget_bytes: int, block_size: int = 16,
+def blocks_for_budget(spec: KVQuantSpec, dims: ModelDims, budget_bytes: int, block_size: int = 16,
                       max_seqs: int = 4) -> int:
     """The most blocks whose whole pool (PoolLayout.total_bytes) fits in budget_bytes; 0 if none."""
     bpt = bytes_per_token(spec, dims.num_kv_heads, dims.head_dim, dims.num_layers)
@@ -224,15 +207,15 @@ def blocks_for_budget(spec: KVQuantSpec, dims: Dims, budget_bytes: int, block_si
     return max(0, int(free // (bpt * block_size)))
 
 
-def pool_layout(spec: KVQuantSpec, dims: Dims, num_blocks: int, block_size: int = 16, max_seqs: int = 4) -> PoolLayout:
+def pool_layout(spec: KVQuantSpec, dims: ModelDims, num_blocks: int, block_size: int = 16, max_seqs: int = 4) -> PoolLayout:
     return PoolLayout(spec, dims.num_layers, dims.num_kv_heads, dims.head_dim, block_size, num_blocks, max_seqs)
 
 
-def contiguous_buffer_shape(dims: Dims, ctx: int) -> tuple[int, ...]:
+def contiguous_buffer_shape(dims: ModelDims, ctx: int) -> tuple[int, ...]:
     return (dims.num_layers, 2, ctx, dims.num_kv_heads, dims.head_dim)
 
 
-def contiguous_buffer_bytes(dims: Dims, ctx: int) -> int:
+def contiguous_buffer_bytes(dims: ModelDims, ctx: int) -> int:
     """One fp16 [layers, 2, ctx, kv_heads, head_dim] buffer: what an engine preallocates per conversation."""
     return ctx * fp16_bytes_per_token(dims.num_kv_heads, dims.head_dim, dims.num_layers)
 
@@ -360,7 +343,7 @@ def rich_table(result: dict):
 
 
 __all__ = [
-    "DEFAULT_CTX", "DEFAULT_SPECS", "Dims", "KNOWN_DIMS", "KNOWN_WINDOWS", "as_dims", "grouped_fit", "load_windows", "blocks_for_budget", "contiguous_buffer_bytes",
+    "DEFAULT_CTX", "DEFAULT_SPECS", "KNOWN_DIMS", "KNOWN_WINDOWS", "as_dims", "grouped_fit", "load_windows", "blocks_for_budget", "contiguous_buffer_bytes",
     "format_bytes", "load_dims", "parse_size", "plan", "pool_fixed_bytes", "pool_layout", "rich_table",
 ]
 

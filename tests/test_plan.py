@@ -1,9 +1,10 @@
 import pytest
 
 from runtime_sim.plan import (
-    DEFAULT_SPECS, KNOWN_DIMS, Dims, blocks_for_budget, load_dims, parse_size, plan, pool_fixed_bytes,
+    DEFAULT_SPECS, KNOWN_DIMS, blocks_for_budget, load_dims, parse_size, plan, pool_fixed_bytes,
 )
 from toolkit.errors import ArtifactError, PagedKVError, SpecError
+from toolkit.model_dims import ModelDims
 from toolkit.pool_layout import PoolLayout
 from toolkit.quant import PRESETS, bytes_per_token, fp16_bytes_per_token, fp_stage_bytes_per_sequence
 
@@ -11,7 +12,7 @@ SMOL = KNOWN_DIMS["smollm2"]
 
 
 def test_smollm2_dims():
-    assert load_dims("smollm2") == load_dims(None) == Dims(30, 9, 3, 64, 49152)
+    assert load_dims("smollm2") == load_dims(None) == ModelDims(30, 9, 3, 64, 49152)
 
 
 @pytest.mark.parametrize("ram", [4 * 2**30, 512 * 2**20, 3 * 10**8 + 17])
@@ -95,7 +96,7 @@ def test_hf_dir_config(tmp_path):
         '{"model_type": "llama", "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, '
         '"num_hidden_layers": 3, "intermediate_size": 64, "vocab_size": 100}'
     )
-    assert load_dims(str(tmp_path)) == Dims(3, 4, 2, 32, 100)
+    assert load_dims(str(tmp_path)) == ModelDims(3, 4, 2, 32, 100)
     r = plan(str(tmp_path), "1MiB", ["fp16"])
     assert r["specs"][0]["bytes_per_token"] == 2 * 2 * 32 * 2 * 3
 
@@ -164,7 +165,7 @@ def test_whole_process_estimate_onnx_and_errors(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["runtime_sim.plan", "runtime_sim.simulate", "toolkit.kv_spec", "toolkit.manifest",
-                                    "toolkit.pool_layout", "toolkit.block_pool", "toolkit.cli"])
+                                    "toolkit.model_dims", "toolkit.pool_layout", "toolkit.block_pool", "toolkit.cli"])
 def test_light_modules_do_not_import_torch(module):
     """Planning, simulation, the pool manager, the manifest and the CLI's start-up run without torch
     (a fresh interpreter, so this test's own imports do not count)."""
