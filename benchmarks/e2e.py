@@ -36,9 +36,9 @@ layers x kv_heads x head_dim x ctx x (bytes per K value + bytes per V value), wi
 q8_0 = 34 bytes per 32 values, q4_0 = 18 bytes per 32 values (llama.cpp itself allocates that for its
 whole n_ctx up front).
 
-llama-cpp-python is installed into its own venv (~/.cache/pagedkv/llamacpp-venv, built from source with
-AVX2 and without AMX/AVX512 -- the default native build dies with SIGILL on these machines; ~7 min on
-2 cores) the first time it is needed; --skip-llamacpp leaves it out.
+llama-cpp-python is built from source into its own venv the first time it is needed, for the same
+instruction set as our kernel's path on this CPU (benchmarks/llamacpp_peer.py); --skip-llamacpp leaves
+it out.
 
 Writes --json (default benchmarks/results/e2e.json) and prints a markdown table and the targets.
 """
@@ -55,6 +55,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llamacpp_peer import build_flags, cache_root, ensure_llamacpp, llamacpp_python  # noqa: E402
+
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 REPO = Path(__file__).resolve().parent.parent
@@ -62,11 +65,6 @@ sys.path.insert(0, str(REPO))
 
 WORKER = Path(__file__).resolve().parent / "_e2e_worker.py"
 DEFAULT_TEXT = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
-LLAMACPP_PKG = "llama-cpp-python==0.3.36"
-LLAMACPP_CMAKE_ARGS = (
-    "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF "
-    "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
-)
 # the code that makes the graphs; an artifact is re-exported when these change (the spec and the pool
 # size are part of the directory name)
 EXPORT_SOURCES = {
@@ -91,11 +89,6 @@ OURS_LOW_BIT = ("ours-onnx-int4", "ours-pte-8da4w")  # comparable to llama.cpp's
 
 def log(msg: str) -> None:
     print(f"[e2e {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def cache_root() -> Path:
-    root = os.environ.get("PAGEDKV_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "pagedkv"
 
 
 def export_key(kind: str) -> str:
@@ -190,32 +183,6 @@ def ensure_artifact(base: Path, kind: str, spec: str, pool_tokens: int, threads:
     partial.rename(d)
     log(f"exported {kind} in {res['seconds']} s ({res['bytes'] / 2**20:.0f} MiB)")
     return {"ok": True, "dir": str(d), "cached": False, **res}
-
-
-def llamacpp_python(venv: Path) -> Path:
-    return venv / "bin" / "python"
-
-
-def ensure_llamacpp(venv: Path) -> tuple[bool, str]:
-    py = llamacpp_python(venv)
-    probe = [str(py), "-c", "import llama_cpp, numpy; print(llama_cpp.__version__)"]
-    if py.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
-        return True, subprocess.run(probe, capture_output=True, text=True).stdout.strip()
-    log(f"llama-cpp-python is not installed in {venv}: creating that venv and building {LLAMACPP_PKG} from "
-        f"source with CMAKE_ARGS='{LLAMACPP_CMAKE_ARGS}' (~7 min on 2 cores; --skip-llamacpp skips it)")
-    if not py.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    env = dict(os.environ, CMAKE_ARGS=LLAMACPP_CMAKE_ARGS, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
-    logf = venv / "build.log"
-    with open(logf, "w") as f:
-        p = subprocess.run([str(py), "-m", "pip", "install", "--no-cache-dir", LLAMACPP_PKG, "numpy"],
-                           stdout=f, stderr=subprocess.STDOUT, env=env)
-    if p.returncode != 0:
-        return False, f"pip install {LLAMACPP_PKG} failed (exit {p.returncode}): {tail(logf.read_text())} (log: {logf})"
-    r = subprocess.run(probe, capture_output=True, text=True)
-    if r.returncode != 0:
-        return False, f"llama_cpp does not import after the install: {tail(r.stderr)}"
-    return True, r.stdout.strip()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -374,7 +341,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="threads for every system (default 2)")
     ap.add_argument("--spec", default="default", help="our KV spec (default: default)")
     ap.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="text to prefill (default wikitext-2 test)")
-    ap.add_argument("--llamacpp-venv", type=Path, default=cache_root() / "llamacpp-venv")
+    ap.add_argument("--llamacpp-venv", type=Path, default=None,
+                    help="default ~/.cache/pagedkv/llamacpp-<isa>-venv (benchmarks/llamacpp_peer.py)")
     ap.add_argument("--export-timeout", type=int, default=3600, help="seconds per artifact export (default 3600)")
     ap.add_argument("--run-timeout", type=int, default=1800, help="seconds per measurement (default 1800)")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "e2e.json")
@@ -553,7 +521,8 @@ def write_json(args, rows, targets, failures, exports, gguf, spec, pool_tokens, 
         "exports": exports,
         "versions": {p: ver(p) for p in ("torch", "onnxruntime", "executorch", "torchao", "transformers")}
         | {"llama-cpp-python": llama_version},
-        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+                    "llamacpp_build": build_flags() if llama_version else None},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "wall_seconds": round(wall, 1),
         "rows": rows,

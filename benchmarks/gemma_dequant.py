@@ -1,7 +1,7 @@
 """Is Gemma 3 270M's Q4_K_M GGUF dequantized right? Our fp32 copy (transformers' GGUF dequantization,
 toolkit.model_loading) against llama.cpp running the same GGUF file.
 
-    python benchmarks/gemma_dequant.py [--llamacpp-venv ~/.cache/pagedkv/llamacpp-venv] [--ctx 512]
+    python benchmarks/gemma_dequant.py [--ctx 512] [--llamacpp-venv DIR]
 
 Two checks, both with the tokenizer's BOS first (Gemma expects it):
 - greedy: 32 tokens after a fixed prompt, from HF eager on our fp32 weights and from llama.cpp;
@@ -9,7 +9,7 @@ Two checks, both with the tokenizer's BOS first (Gemma expects it):
   argmax next token is the same in both.
 Q4_K/Q6_K dequantization errors (a wrong scale, a swapped nibble) change both at once; the small
 differences of float arithmetic (llama.cpp computes in its own order, f16 KV) change neither much.
-llama.cpp runs in its own venv (benchmarks/e2e.py builds one: llama-cpp-python==0.3.36); this script
+llama.cpp runs in its own venv (benchmarks/llamacpp_peer.py builds it for this CPU); this script
 re-runs itself there with --worker. Writes benchmarks/results/gemma_dequant.json and prints a table.
 """
 
@@ -55,7 +55,8 @@ def worker(args) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--llamacpp-venv", type=Path, default=Path.home() / ".cache" / "pagedkv" / "llamacpp-venv")
+    ap.add_argument("--llamacpp-venv", type=Path, default=None,
+                    help="default ~/.cache/pagedkv/llamacpp-<isa>-venv (benchmarks/llamacpp_peer.py)")
     ap.add_argument("--ctx", type=int, default=512, help="wikitext-2 tokens for the top-1 check (BOS included)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gemma_dequant.json")
@@ -72,10 +73,12 @@ def main(argv=None) -> int:
     from tests.helpers import hf_greedy
     from toolkit.model_loading import gemma3_gguf_path, load_model
 
-    py = args.llamacpp_venv / "bin" / "python"
-    if not py.exists():
-        sys.exit(f"no llama.cpp venv at {args.llamacpp_venv}: run benchmarks/e2e.py once (it builds one) or pass "
-                 "--llamacpp-venv")
+    from benchmarks.llamacpp_peer import build_flags, ensure_llamacpp, llamacpp_python
+
+    ok, llama_version = ensure_llamacpp(args.llamacpp_venv)
+    if not ok:
+        sys.exit(f"llama.cpp is unavailable: {llama_version}")
+    py = llamacpp_python(args.llamacpp_venv)
     gguf = gemma3_gguf_path()
     model, tok = load_model("gemma3-270m")
     bos = tok.bos_token_id
@@ -104,6 +107,7 @@ def main(argv=None) -> int:
     res = {
         "model": "Gemma 3 270M, gemma-3-270m-q4_k_m.gguf (Q4_K/Q6_K tensors)",
         "ours": "transformers GGUF dequantization -> fp32, HF eager", "peer": f"llama.cpp {peer['llama_cpp']}",
+        "llamacpp_build": build_flags(),
         "prompt": PROMPT, "greedy_steps": STEPS, "greedy_ours": ours_greedy, "greedy_llamacpp": peer["greedy"],
         "greedy_identical_prefix": same_prefix, "greedy_text_ours": tok.decode(ours_greedy),
         "greedy_text_llamacpp": tok.decode(peer["greedy"]),

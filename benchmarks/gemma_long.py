@@ -120,7 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-llamacpp", action="store_true")
-    ap.add_argument("--llamacpp-venv", type=Path, default=Path.home() / ".cache" / "pagedkv" / "llamacpp-venv")
+    ap.add_argument("--llamacpp-venv", type=Path, default=None,
+                    help="default ~/.cache/pagedkv/llamacpp-<isa>-venv (benchmarks/llamacpp_peer.py)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gemma_long.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--gguf", help=argparse.SUPPRESS)
@@ -138,9 +139,17 @@ def main(argv=None) -> int:
     text = TEXT.read_text(encoding="utf-8")
     all_ids = tok(text[: 8 * max(args.ctx)], add_special_tokens=False)["input_ids"]
     art = export_ours(max(args.ctx))
+    llama_py, llama_build = None, None
+    if not args.skip_llamacpp:
+        from benchmarks.llamacpp_peer import build_flags, ensure_llamacpp, llamacpp_python
+
+        ok, msg = ensure_llamacpp(args.llamacpp_venv)
+        if not ok:
+            sys.exit(f"llama.cpp is unavailable: {msg} (--skip-llamacpp leaves it out)")
+        llama_py, llama_build = llamacpp_python(args.llamacpp_venv), build_flags()
     report = {"model": "Gemma 3 270M (Q4_K_M GGUF)", "threads": args.threads, "steps": args.steps,
               "cpu": _cpu_name(), "ours": "ONNX int4 weights, KV spec default, layer groups, onnxruntime",
-              "runs": []}
+              "llamacpp_build": llama_build, "runs": []}
     for ctx in args.ctx:
         ids = [tok.bos_token_id] + all_ids[: ctx - 1]
         row = {"ctx": ctx, "ours": run_ours(art, ids, args.steps, args.threads)}
@@ -148,7 +157,7 @@ def main(argv=None) -> int:
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                 json.dump(ids, f)
             for kv in ("f16/f16", "q8_0/q4_0"):
-                p = subprocess.run([str(args.llamacpp_venv / "bin" / "python"), __file__, "--worker", "--gguf",
+                p = subprocess.run([str(llama_py), __file__, "--worker", "--gguf",
                                     str(gguf), "--ids", f.name, "--kv", kv, "--steps", str(args.steps),
                                     "--threads", str(args.threads)], capture_output=True, text=True)
                 row[f"llamacpp {kv}"] = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else \

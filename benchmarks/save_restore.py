@@ -16,8 +16,8 @@ context the first `ctx` tokens of wikitext-2 (test) are prefilled in chunks of 6
 
 and the next token's logits after the restore must equal those after the re-prefill bit for bit.
 
-llama.cpp (llama-cpp-python==0.3.36 in ~/.cache/pagedkv/llamacpp-venv, built as benchmarks/e2e.py builds
-it, on the GGUF the same model comes from): the same tokens evaluated with an f16 (and a q8_0/q4_0) KV
+llama.cpp (llama-cpp-python==0.3.36, built for this CPU's instruction set by benchmarks/llamacpp_peer.py,
+on the GGUF the same model comes from): the same tokens evaluated with an f16 (and a q8_0/q4_0) KV
 cache, then `llama_state_seq_save_file` (the sequence's KV cells and its tokens, the file a chat app keeps)
 and `llama_state_seq_load_file` into a fresh context, timed, and the file's size; also the size of
 `llama_state_seq_get_size` (the sequence state in memory).
@@ -43,8 +43,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.e2e import (DEFAULT_TEXT, cache_root, ensure_artifact, ensure_llamacpp, last_json,  # noqa: E402
-                            llamacpp_python, prepare_ids, worker_env)
+from benchmarks.e2e import DEFAULT_TEXT, ensure_artifact, last_json, prepare_ids, worker_env  # noqa: E402
+from benchmarks.llamacpp_peer import build_flags, cache_root, ensure_llamacpp, llamacpp_python  # noqa: E402
 
 LLAMACPP_SCRIPT = r"""
 import ctypes, json, os, sys, time
@@ -144,7 +144,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-llamacpp", action="store_true")
-    ap.add_argument("--llamacpp-venv", type=Path, default=cache_root() / "llamacpp-venv")
+    ap.add_argument("--llamacpp-venv", type=Path, default=None,
+                    help="default ~/.cache/pagedkv/llamacpp-<isa>-venv (benchmarks/llamacpp_peer.py)")
     ap.add_argument("--artifacts", type=Path, default=None,
                     help="a SmolLM2 onnx-int4 artifacts dir to use (default: the e2e benchmark's, exported once)")
     ap.add_argument("--dir", type=Path, default=None, help="where the files are written (default: a temp dir)")
@@ -209,7 +210,7 @@ def main(argv=None) -> int:
            "repeats": args.repeats, "cpu": platform.processor() or platform.machine(),
            "cpu_model": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                               if ln.startswith("model name")), "?"),
-           "llama_cpp": llama_version, "rows": rows, "targets": targets,
+           "llama_cpp": llama_version, "llamacpp_build": build_flags() if llama_ok else None, "rows": rows, "targets": targets,
            "command": "python benchmarks/save_restore.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1))
