@@ -1,8 +1,10 @@
 """The Python block manager (toolkit/block_pool.py) and its C++ twin in the Android runner
 (android_demo/native/src/block_manager.cpp) replay one trace of pool operations and must agree on
 every observable result: sequence slots, reservations that fit or exhaust the pool, lengths, blocks
-per sequence, used and free counts, and which operations are refused. The intended differences
-(allocation order, no prefix cache or fork in C++, the C++ usable limit) are listed in
+per sequence, used and free counts, and which operations are refused. The same for the layer-group
+twins (GroupedBlockPool / GroupedBlockManager: a global group and a sliding one), which must also agree
+on the holes each sliding table has and the blocks each group holds after every commit. The intended
+differences (allocation order, no prefix cache or fork in C++, the C++ usable limit) are listed in
 block_manager.h; block ids are therefore not compared."""
 
 from __future__ import annotations
@@ -14,19 +16,23 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.block_pool import BlockPool
+from toolkit.block_pool import HOLE, BlockPool, GroupedBlockPool, LayerGroup
 from toolkit.errors import PagedKVError, PoolExhausted
 
 NATIVE = Path(__file__).resolve().parents[1] / "android_demo" / "native"
 NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS = 12, 16, 3
 
 
-def record_trace(seed: int, n_ops: int = 600) -> list[str]:
+# the grouped twins: a global group and a sliding one whose pool holds less than the sequences' windows
+GROUPS = [LayerGroup(0, (1,), NUM_BLOCKS), LayerGroup(24, (0,), 7)]
+
+
+def record_trace(seed: int, n_ops: int = 600, pool=None) -> list[str]:
     """Operations a chat runtime issues, recorded while driving the Python pool (so most are valid and
     the pool fills, empties and runs out), plus refused ones: dead sequences, commits past the
     reservation, more sequences than slots."""
     rnd = random.Random(seed)
-    pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS)
+    pool = pool or BlockPool(NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS)
     reserved: dict[int, int] = {}
     ops = []
     for _ in range(n_ops):
@@ -89,6 +95,36 @@ def replay_python(ops: list[str]) -> list[str]:
     return out
 
 
+def replay_python_groups(ops: list[str]) -> list[str]:
+    """replay_python for GroupedBlockPool, in the words of block_manager_test --group-trace."""
+    pool = GroupedBlockPool(GROUPS, BLOCK_SIZE, MAX_SEQS)
+    out = []
+    for line in ops:
+        op, *args = line.split()
+        seq, n = (int(a) for a in (args + ["0", "0"])[:2])
+        try:
+            if op == "new":
+                res = f"seq {pool.new_sequence()}"
+            elif op == "reserve":
+                pool.reserve(seq, n)
+                res = "ok" + "".join(f" blocks {len(t)} holes {t.count(HOLE)}"
+                                     for t in (pool.block_table(seq, g) for g in range(len(GROUPS))))
+            elif op == "commit":
+                pool.commit(seq, [7] * n)
+                res = f"len {pool.length(seq)}" + "".join(
+                    f" held {sum(b != HOLE for b in pool.block_table(seq, g))}" for g in range(len(GROUPS)))
+            else:
+                pool.release(seq)
+                res = "released"
+        except PoolExhausted:
+            res = "exhausted"
+        except PagedKVError:
+            res = "state error"
+        pool.check_invariants()
+        out.append(res + "".join(f" | used {p.num_used_blocks} free {p.num_free_blocks}" for p in pool.pools))
+    return out
+
+
 @pytest.fixture(scope="module")
 def cpp_replayer(tmp_path_factory) -> Path:
     cxx = shutil.which("g++")
@@ -116,3 +152,22 @@ def test_python_and_cpp_block_managers_agree_on_a_trace(cpp_replayer, tmp_path, 
     # the trace exercises every outcome
     kinds = {line.split(" used")[0].split()[0] for line in py}
     assert {"seq", "ok", "exhausted", "state", "len", "released"} <= kinds
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_python_and_cpp_grouped_block_managers_agree_on_a_trace(cpp_replayer, tmp_path, seed):
+    ops = record_trace(seed, pool=GroupedBlockPool(GROUPS, BLOCK_SIZE, MAX_SEQS))
+    trace = tmp_path / "trace.txt"
+    trace.write_text("\n".join(ops) + "\n")
+    proc = subprocess.run([str(cpp_replayer), "--group-trace", str(trace), str(BLOCK_SIZE), str(MAX_SEQS),
+                           *(f"{g.window}:{g.num_blocks}" for g in GROUPS)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    cpp = proc.stdout.splitlines()
+    py = replay_python_groups(ops)
+    assert len(cpp) == len(ops)
+    for i, (op, a, b) in enumerate(zip(ops, py, cpp)):
+        assert a == b, f"operation {i} '{op}': Python says '{a}', C++ says '{b}'"
+    kinds = {line.split()[0] for line in py}
+    assert {"seq", "ok", "exhausted", "state", "len", "released"} <= kinds
+    # the sliding group really slid: its tables had holes (blocks handed back as they left the window)
+    assert any(int(ln.split(" holes ")[2].split()[0]) > 0 for ln in py if ln.startswith("ok"))

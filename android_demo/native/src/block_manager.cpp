@@ -101,6 +101,34 @@ void BlockManager::commit(int seq, int n_tokens) {
   s.length += n_tokens;
 }
 
+void BlockManager::drop_blocks(int seq, const std::vector<int>& logical) {
+  Seq& s = get(seq, "use");
+  const int n_full = s.length / block_size_;
+  std::vector<int> seen;
+  for (int i : logical) {
+    if (i < 0 || i >= n_full)
+      throw RunnerError(ErrorCode::kState, "cannot drop logical block " + std::to_string(i) + " of sequence " +
+                                               std::to_string(seq) + ": only full committed blocks 0.." +
+                                               std::to_string(n_full - 1) + " can be dropped");
+    if (s.blocks[static_cast<size_t>(i)] < 0)
+      throw RunnerError(ErrorCode::kState, "logical block " + std::to_string(i) + " of sequence " +
+                                               std::to_string(seq) + " was already dropped");
+    if (std::find(seen.begin(), seen.end(), i) != seen.end())
+      throw RunnerError(ErrorCode::kState, "drop_blocks got logical block " + std::to_string(i) + " twice");
+    seen.push_back(i);
+  }
+  for (int i : logical) {
+    int32_t& b = s.blocks[static_cast<size_t>(i)];
+    decref(b);
+    b = -1;
+  }
+}
+
+int BlockManager::held(int seq) const {
+  const Seq& s = get(seq, "use");
+  return static_cast<int>(std::count_if(s.blocks.begin(), s.blocks.end(), [](int32_t b) { return b >= 0; }));
+}
+
 int BlockManager::length(int seq) const { return get(seq, "use").length; }
 const std::vector<int32_t>& BlockManager::blocks(int seq) const { return get(seq, "use").blocks; }
 
@@ -138,8 +166,14 @@ void BlockManager::check_invariants() const {
     ++live;
     if (s.length > s.reserved || static_cast<int>(s.blocks.size()) != cdiv(s.reserved, block_size_))
       fail("sequence " + std::to_string(q) + " length/reserved/blocks disagree");
-    for (int b : s.blocks) {
-      if (b < 0 || b >= num_blocks_) fail("block id out of range");
+    for (size_t i = 0; i < s.blocks.size(); ++i) {
+      const int b = s.blocks[i];
+      if (b < 0) {  // a hole: only where a full committed block was dropped
+        if (static_cast<int>(i) >= s.length / block_size_)
+          fail("sequence " + std::to_string(q) + " has a hole at logical block " + std::to_string(i) + ", which is not full");
+        continue;
+      }
+      if (b >= num_blocks_) fail("block id out of range");
       ++refs[static_cast<size_t>(b)];
     }
   }
@@ -153,6 +187,109 @@ void BlockManager::check_invariants() const {
   }
   if (used != used_) fail("used count mismatch");
   if (live + static_cast<int>(free_slots_.size()) != max_seqs_) fail("sequence slots inconsistent");
+}
+
+// ------------------------------------------------------------------------------------------------
+// Layer groups (toolkit/block_pool.py: dead_blocks, window_blocks_needed, GroupedBlockPool)
+
+int dead_blocks(int window, int block_size, int length) {
+  if (window <= 0) return 0;
+  return std::max(0, (length - window + 1) / block_size);
+}
+
+int window_blocks_needed(int window, int block_size, int new_tokens) {
+  return cdiv(window - 1 + new_tokens, block_size) + 1;
+}
+
+static std::vector<BlockManager> make_pools(const std::vector<LayerGroup>& groups, int block_size, int max_seqs,
+                                            int limit) {
+  if (groups.empty()) throw RunnerError(ErrorCode::kArgument, "a pool needs at least one layer group");
+  std::vector<BlockManager> out;
+  for (size_t g = 0; g < groups.size(); ++g)
+    out.emplace_back(groups[g].num_blocks, block_size, max_seqs, g == 0 ? limit : groups[g].num_blocks);
+  return out;
+}
+
+GroupedBlockManager::GroupedBlockManager(std::vector<LayerGroup> groups, int block_size, int max_seqs, int limit)
+    : groups_(std::move(groups)), pools_(make_pools(groups_, block_size, max_seqs, limit)), block_size_(block_size) {}
+
+int GroupedBlockManager::new_sequence() {
+  const int seq = pools_[0].new_sequence();  // throws with nothing changed when the slots are full
+  for (size_t g = 1; g < pools_.size(); ++g)
+    if (pools_[g].new_sequence() != seq)
+      throw RunnerError(ErrorCode::kState, "layer groups out of step: group " + std::to_string(g) +
+                                               " gave another sequence slot than group 0");
+  return seq;
+}
+
+void GroupedBlockManager::release(int seq) {
+  for (auto& p : pools_) p.release(seq);
+}
+
+std::vector<int> GroupedBlockManager::blocks_needed(int seq, int n_new_tokens, int chunk) const {
+  std::vector<int> out;
+  for (size_t g = 0; g < pools_.size(); ++g) {
+    int need = pools_[g].blocks_needed(seq, n_new_tokens);
+    if (groups_[g].window > 0 && chunk > 0) {
+      const int peak = window_blocks_needed(groups_[g].window, block_size_, std::min(chunk, n_new_tokens));
+      need = std::min(need, std::max(0, peak - pools_[g].held(seq)));
+    }
+    out.push_back(need);
+  }
+  return out;
+}
+
+void GroupedBlockManager::reserve(int seq, int n_new_tokens) {
+  if (n_new_tokens < 0) throw RunnerError(ErrorCode::kArgument, "n_new_tokens must be >= 0");
+  const std::vector<int> need = blocks_needed(seq, n_new_tokens);
+  for (size_t g = 0; g < pools_.size(); ++g)
+    if (need[g] > pools_[g].num_free())
+      throw RunnerError(ErrorCode::kPoolExhausted,
+                        "KV block pool exhausted for sequence " + std::to_string(seq) + " growing from " +
+                            std::to_string(length(seq)) + " to " + std::to_string(length(seq) + n_new_tokens) +
+                            " tokens in layer group " + std::to_string(g) + " (" +
+                            (groups_[g].window ? "window " + std::to_string(groups_[g].window) : std::string("global")) +
+                            "): needs " + std::to_string(need[g]) + " block(s), only " +
+                            std::to_string(pools_[g].num_free()) +
+                            " free. Clear a conversation or give the pool a larger budget.");
+  for (auto& p : pools_) p.reserve(seq, n_new_tokens);
+}
+
+void GroupedBlockManager::commit(int seq, int n_tokens) {
+  for (auto& p : pools_) p.commit(seq, n_tokens);
+  trim(seq);
+}
+
+void GroupedBlockManager::trim(int seq) {
+  for (size_t g = 0; g < pools_.size(); ++g) {
+    if (groups_[g].window <= 0) continue;
+    const auto& table = pools_[g].blocks(seq);
+    std::vector<int> dead;
+    const int n = dead_blocks(groups_[g].window, block_size_, pools_[g].length(seq));
+    for (int i = 0; i < n; ++i)
+      if (table[static_cast<size_t>(i)] >= 0) dead.push_back(i);
+    if (!dead.empty()) pools_[g].drop_blocks(seq, dead);
+  }
+}
+
+void GroupedBlockManager::check_invariants() const {
+  for (const auto& p : pools_) p.check_invariants();
+  for (size_t g = 0; g < pools_.size(); ++g) {
+    if (pools_[g].live_sequences() != pools_[0].live_sequences())
+      throw RunnerError(ErrorCode::kState, "block pool invariant broken: layer groups hold other sequences");
+    for (int seq : pools_[g].live_sequences()) {
+      if (pools_[g].length(seq) != pools_[0].length(seq))
+        throw RunnerError(ErrorCode::kState, "block pool invariant broken: sequence " + std::to_string(seq) +
+                                                 " differs between groups");
+      const auto& table = pools_[g].blocks(seq);
+      const int n = dead_blocks(groups_[g].window, block_size_, pools_[g].length(seq));
+      for (int i = 0; i < n; ++i)
+        if (table[static_cast<size_t>(i)] >= 0)
+          throw RunnerError(ErrorCode::kState, "block pool invariant broken: sequence " + std::to_string(seq) +
+                                                   " keeps block " + std::to_string(i) + " outside the window of " +
+                                                   std::to_string(groups_[g].window) + " in a sliding group");
+    }
+  }
 }
 
 }  // namespace pagedkv_rt
