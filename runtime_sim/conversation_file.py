@@ -382,9 +382,27 @@ def restore(engine, path) -> int:
     return restore_data(engine, read(path), path)
 
 
+def blocks_to_restore(d: ConversationData) -> list[int]:
+    """Free blocks each layer group needs to restore d, at its peak: the present blocks before the
+    last one stay while the last one is allocated (holes are dropped as soon as their block is written)."""
+    nb = -(-len(d.tokens) // d.block_size)
+    return [sum(grp.present[:nb - 1]) + (1 if nb else 0) for grp in d.groups]
+
+
 def restore_data(engine, d: ConversationData, path) -> int:
     """restore() of an already read file (the chat reads its messages from d.app)."""
     from runtime_sim.engine import Conversation
+
+    seq = restore_sequence(engine, d, path)
+    cid = engine._next_id
+    engine._next_id += 1
+    engine.conversations[cid] = Conversation(seq, list(d.tokens), list(d.pending), last_used=engine.clock)
+    return cid
+
+
+def restore_sequence(engine, d: ConversationData, path) -> int:
+    """The pool part of restore_data: a new sequence slot holding the file's blocks and stage rows
+    (the engine's adaptive policy maps a spilled conversation back into its own Conversation)."""
     from toolkit.errors import PoolExhausted, PoolStateError
 
     check_compatible(d, describe(engine), path)
@@ -402,10 +420,7 @@ def restore_data(engine, d: ConversationData, path) -> int:
     for g, grp in enumerate(d.groups):  # holes only where this engine's pool could have made them
         if any(grp.present[:dead_blocks(grp.window, bs, n)]) or (n % bs and not grp.present[-1]):
             _fail(path, f"holds blocks of layer group {g} that its window would not keep (damaged)")
-    # blocks each group needs at its peak: the present blocks before the last one stay while the last
-    # one is allocated (holes are dropped as soon as their block is written)
-    for g, (grp, p) in enumerate(zip(d.groups, pool.pools)):
-        need = sum(grp.present[:nb - 1]) + (1 if nb else 0)
+    for g, (need, p) in enumerate(zip(blocks_to_restore(d), pool.pools)):
         if need > p.num_free_blocks:
             raise PoolExhausted(need, p.num_free_blocks, what=f"restoring {path} ({n} tokens) in layer group {g}")
     arrays = pool_arrays(engine) if nb or d.has_stage else []
@@ -436,7 +451,4 @@ def restore_data(engine, d: ConversationData, path) -> int:
     except BaseException:
         pool.release(seq)
         raise
-    cid = engine._next_id
-    engine._next_id += 1
-    engine.conversations[cid] = Conversation(seq, list(d.tokens), list(d.pending), last_used=engine.clock)
-    return cid
+    return seq
