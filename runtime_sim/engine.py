@@ -12,8 +12,14 @@ conversation owns, reference counts, copy-on-write.
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
+import tempfile
 import time
+import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator, Protocol
 
 import numpy as np
@@ -21,6 +27,8 @@ import numpy as np
 from toolkit.block_pool import GroupedBlockPool, LayerGroup
 from toolkit.errors import PagedKVError, PoolExhausted
 from toolkit.pool_layout import PoolLayout
+
+log = logging.getLogger("pagedkv.engine")
 
 
 class Backend(Protocol):
@@ -61,13 +69,17 @@ def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
     return int(rng.choice(len(p), p=p))
 
 
+SPILLED = -1  # Conversation.seq of a conversation spilled to flash: it holds no slot and no block
+
+
 @dataclass
 class Conversation:
-    seq: int  # pool sequence slot
+    seq: int  # pool sequence slot (SPILLED while its cache lies in a spill file)
     history: list[int] = field(default_factory=list)  # tokens in the cache (positions 0..len-1)
     pending: list[int] = field(default_factory=list)  # not in the cache yet: fed first on the next turn
     last_used: int = 0  # engine clock of the last step that touched this conversation
     evictions: int = 0
+    spill: Path | None = None  # the adaptive policy's file holding its cache (seq is SPILLED meanwhile)
 
 
 @dataclass
@@ -76,9 +88,17 @@ class Counters:
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    # the pool policies' rungs, each counted when taken (stats()["ladder"])
+    evictions: int = 0  # evict: a conversation lost its blocks (re-prefilled on its next turn)
+    slides: int = 0  # sliding / adaptive: one old block of the active conversation dropped (its K/V lost)
+    spills: int = 0  # adaptive: an idle conversation written to its spill file, its blocks freed
+    spill_bytes: int = 0  # bytes written by those spills
+    spill_failures: int = 0  # adaptive: a spill file could not be written (the next rung was taken)
+    restores_from_spill: int = 0  # adaptive: a spilled conversation mapped back without prefill
+    spill_reprefills: int = 0  # adaptive: a spill file was unreadable; its tokens were prefilled again
 
 
-POLICIES = ("error", "evict", "sliding")
+POLICIES = ("error", "evict", "sliding", "adaptive")
 
 
 class Engine:
@@ -88,14 +108,24 @@ class Engine:
       re-prefilled on its next turn).
     - "sliding": the conversation drops its oldest blocks after the first `sink_blocks` (positions
       stay as they are), so a chat can go on for ever in a fixed pool.
+    - "adaptive": a ladder, nothing lost before its last rung. First idle conversations are spilled
+      to flash, least recently used first: written with the conversation file writer
+      (runtime_sim/conversation_file.py) into `spill_dir` (default: a temp dir the engine owns and
+      removes), their slot and blocks freed; the conversation keeps its tokens. Its next turn maps
+      it back from the file without prefill (the same logits bit for bit), spilling others to make
+      room. Last, the active conversation slides as with "sliding". A spill that cannot be written
+      falls through to the next rung with the pool unchanged. Blocks shared with another
+      conversation (fork, prefix cache) stay for it: a spill frees only what no one else holds.
     """
 
     def __init__(self, backend: Backend, tokenizer=None, prefill_chunk: int = 64, policy: str = "error",
-                 sink_blocks: int = 1):
+                 sink_blocks: int = 1, spill_dir=None):
         if policy not in POLICIES:
             raise PagedKVError(f"unknown pool policy '{policy}': use one of {', '.join(POLICIES)}.")
         self.policy = policy
         self.sink_blocks = sink_blocks
+        self.spill_dir = Path(spill_dir) if spill_dir is not None else None  # None: a temp dir on first spill
+        self._spill_tag = f"{os.getpid()}-{id(self):x}"  # spill file names of this engine in a shared dir
         self.clock = 0
         self.backend = backend
         self.tokenizer = tokenizer
@@ -115,32 +145,43 @@ class Engine:
     # -- conversations -------------------------------------------------------------------------
 
     def new_conversation(self) -> int:
+        self._make_slot(set())
         seq = self.pool.new_sequence()
         cid = self._next_id
         self._next_id += 1
-        self.conversations[cid] = Conversation(seq)
+        self.conversations[cid] = Conversation(seq, last_used=self.clock)
         return cid
 
     def fork(self, cid: int) -> int:
         """A new conversation sharing cid's cached blocks (copy-on-write), e.g. a shared system prompt."""
-        src = self._conv(cid)
+        src = self._resident(cid)
+        self._make_slot({id(src)})
         seq = self.pool.fork(src.seq)
         self.backend.copy_stage(src.seq, seq)
         new = self._next_id
         self._next_id += 1
-        self.conversations[new] = Conversation(seq, list(src.history), list(src.pending))
+        self.conversations[new] = Conversation(seq, list(src.history), list(src.pending), last_used=self.clock)
         return new
 
     def clear(self, cid: int) -> None:
         """Release the conversation's blocks; it stays usable and starts empty."""
         conv = self._conv(cid)
-        self.pool.release(conv.seq)
-        conv.seq = self.pool.new_sequence()
+        if conv.spill is not None:  # no slot yet: take one first, so a failure changes nothing
+            self._make_slot({id(conv)})
+            seq = self.pool.new_sequence()
+            self._drop_spill(conv)
+            conv.seq = seq
+        else:
+            self.pool.release(conv.seq)
+            conv.seq = self.pool.new_sequence()
         conv.history, conv.pending = [], []
 
     def close(self, cid: int) -> None:
         conv = self._conv(cid)
-        self.pool.release(conv.seq)
+        if conv.spill is not None:
+            self._drop_spill(conv)
+        else:
+            self.pool.release(conv.seq)
         del self.conversations[cid]
 
     def _conv(self, cid: int) -> Conversation:
@@ -169,10 +210,13 @@ class Engine:
         else:  # only the layers of that group hold the block
             self.backend.copy_block(src, dst, self.groups[group].layers)
 
-    def _make_room(self, items: list[tuple[Conversation, list[int]]], chunk: int | None = None) -> None:
+    def _make_room(self, items: list[tuple[Conversation, list[int]]], chunk: int | None = None,
+                   slide: bool = True) -> None:
         """Apply the pool policy until every item's reserve will succeed, or raise PoolExhausted. With
-        chunk: room to write the items in calls of chunk tokens (sliding layer groups trim in between)."""
+        chunk: room to write the items in calls of chunk tokens (sliding layer groups trim in between).
+        slide=False: the policy's lossless rungs only (adaptive: spill, never slide)."""
         active = {id(c) for c, _ in items}
+        spill = self.policy == "adaptive"
         while True:
             needs = [self.pool.blocks_needed(c.seq, len(t), chunk) for c, t in items]
             frees = self.pool.free_blocks()
@@ -182,7 +226,11 @@ class Engine:
             need, free = sum(n[short[0]] for n in needs), frees[short[0]]
             if self.policy == "evict" and self._evict_one(active):
                 continue
-            if self.policy == "sliding" and self._slide(items):
+            if spill:
+                if self._spill_one(active, short):
+                    continue
+                spill = False  # nothing left to spill, or a spill file could not be written: next rung
+            if self.policy in ("sliding", "adaptive") and slide and self._slide(items):
                 continue
             what = f"{sum(len(t) for _, t in items)} new token(s)"
             if self.policy != "error":
@@ -200,6 +248,8 @@ class Engine:
         victim.seq = self.pool.new_sequence()
         victim.history, victim.pending = [], tokens  # re-prefilled on its next turn
         victim.evictions += 1
+        self.counters.evictions += 1
+        log.info("pool full: evicted an idle conversation (%d tokens to prefill again)", len(tokens))
         return True
 
     def _slide(self, items: list[tuple[Conversation, list[int]]]) -> bool:
@@ -215,7 +265,120 @@ class Engine:
         if best is None:
             return False
         self.pool.drop_blocks(best[0].seq, [best[2]])
+        self.counters.slides += 1
+        log.info("pool full: dropped logical block %d of the active conversation (sliding)", best[2])
         return True
+
+    # -- the adaptive policy: idle conversations spilled to flash and mapped back ---------------------
+
+    def _spill_path(self, cid: int) -> Path:
+        if self.spill_dir is None:  # a temp dir of our own, removed with the engine
+            self.spill_dir = Path(tempfile.mkdtemp(prefix="pagedkv-spill-"))
+            weakref.finalize(self, shutil.rmtree, str(self.spill_dir), True)
+        return self.spill_dir / f"spill-{self._spill_tag}-{cid}.pkvc"
+
+    def _freed_by_release(self, seq: int) -> list[int]:
+        """Blocks of each layer group that releasing seq would free: those no other sequence holds
+        (a block shared by a fork or a restored prefix stays for the others)."""
+        out = []
+        for g in range(len(self.groups)):
+            others = {b for s in self.pool.live_sequences() if s != seq for b in self.pool.block_table(s, g)}
+            out.append(sum(1 for b in self.pool.block_table(seq, g) if b >= 0 and b not in others))
+        return out
+
+    def _spill_one(self, protect: set[int], short: list[int] | None) -> bool:
+        """Spill the least recently used resident conversation not in protect (ids of Conversation
+        objects) that frees a block of a short layer group (short=None: one that frees a sequence
+        slot, any will do). False if there is none, or if its file could not be written (then the
+        pool and the conversation are as they were)."""
+        best = None
+        for cid, c in self.conversations.items():
+            if c.spill is not None or id(c) in protect:
+                continue
+            if short is not None:
+                freed = self._freed_by_release(c.seq)
+                if not any(freed[g] for g in short):
+                    continue
+            if best is None or c.last_used < best[1].last_used:
+                best = (cid, c)
+        if best is None:
+            return False
+        cid, conv = best
+        path = self._spill_path(cid)
+        from runtime_sim import conversation_file
+
+        try:
+            size = conversation_file.save(self, cid, path)
+        except (PagedKVError, OSError) as e:
+            self.counters.spill_failures += 1
+            log.warning("pool full: could not spill conversation %d to flash (%s); taking the next rung", cid, e)
+            return False
+        self.pool.release(conv.seq)
+        conv.seq, conv.spill = SPILLED, path
+        self.counters.spills += 1
+        self.counters.spill_bytes += size
+        log.info("pool full: spilled conversation %d (%d tokens) to %s (%d bytes)", cid, len(conv.history), path, size)
+        return True
+
+    def _make_slot(self, protect: set[int]) -> None:
+        """adaptive: a free sequence slot, spilling the least recently used idle conversation if every
+        slot is held (other policies: new_sequence raises as before)."""
+        while (self.policy == "adaptive" and len(self.pool.live_sequences()) >= self.pool.max_seqs
+               and self._spill_one(protect, None)):
+            pass
+
+    def _room_for_file(self, d, protect: set[int]) -> None:
+        """adaptive: spill idle conversations until the saved conversation d can be restored."""
+        from runtime_sim.conversation_file import blocks_to_restore
+
+        need = blocks_to_restore(d)
+        while self.policy == "adaptive":
+            short = [g for g, (n, f) in enumerate(zip(need, self.pool.free_blocks())) if n > f]
+            if not short and len(self.pool.live_sequences()) < self.pool.max_seqs:
+                return
+            if not self._spill_one(protect, short or None):
+                return  # restore_sequence raises the shortage, nothing changed
+
+    def _drop_spill(self, conv: Conversation) -> None:
+        try:
+            conv.spill.unlink(missing_ok=True)
+        except OSError as e:  # the conversation is not affected; only a stray file is left
+            log.warning("could not delete spill file %s: %s", conv.spill, e)
+        conv.spill = None
+
+    def _resident(self, cid: int, protect: set[int] | None = None) -> Conversation:
+        """The conversation with its cache in the pool: a spilled one is mapped back from its file
+        (no prefill; the same logits bit for bit), spilling others not in protect to make room."""
+        conv = self._conv(cid)
+        if conv.spill is None:
+            return conv
+        from runtime_sim import conversation_file
+
+        protect = (protect or set()) | {id(conv)}
+        path = conv.spill
+        try:
+            d = conversation_file.read(path)
+            if d.tokens != conv.history or d.pending != conv.pending:
+                raise conversation_file.ConversationFileError(f"spill file {path} holds other tokens")
+        except PagedKVError as e:  # deleted or damaged behind our back: its tokens are still here
+            self._make_slot(protect)
+            conv.seq = self.pool.new_sequence()
+            self._drop_spill(conv)
+            conv.history, conv.pending = [], conv.history + conv.pending  # prefilled on this turn
+            self.counters.spill_reprefills += 1
+            log.warning("spilled conversation %d cannot be read back (%s): its %d tokens are prefilled again",
+                        cid, e, len(conv.pending))
+            return conv
+        self._room_for_file(d, protect)
+        conv.seq = conversation_file.restore_sequence(self, d, path)  # raises with nothing changed
+        self._drop_spill(conv)
+        self.counters.restores_from_spill += 1
+        log.info("restored conversation %d (%d tokens) from its spill file", cid, len(conv.history))
+        return conv
+
+    def spilled(self) -> list[int]:
+        """Ids of the conversations whose cache lies in a spill file (policy 'adaptive')."""
+        return [cid for cid, c in self.conversations.items() if c.spill is not None]
 
     def _run(self, items: list[tuple[Conversation, list[int]]]) -> list[np.ndarray]:
         """Write tokens for several conversations in one call; returns each one's last logits."""
@@ -245,12 +408,17 @@ class Engine:
         return out
 
     def prefill(self, cid: int, token_ids: list[int]) -> np.ndarray:
-        conv = self._conv(cid)
         if not token_ids:
             raise PagedKVError("empty prompt: give at least one token.")
+        conv = self._resident(cid)
         token_ids = conv.pending + list(token_ids)
-        if self.policy != "sliding":  # room for the whole prompt up front: no half-prefilled turn
+        if self.policy in ("error", "evict"):  # room for the whole prompt up front: no half-prefilled turn
             self._make_room([(conv, token_ids)], self.prefill_chunk)
+        elif self.policy == "adaptive":  # spill for the whole prompt; if that is not enough, the chunks slide
+            try:
+                self._make_room([(conv, token_ids)], self.prefill_chunk, slide=False)
+            except PoolExhausted:
+                pass
         conv.pending = []
         t0 = time.perf_counter()
         for a in range(0, len(token_ids), self.prefill_chunk):
@@ -262,12 +430,13 @@ class Engine:
     def step(self, feeds: dict[int, list[int]]) -> dict[int, np.ndarray]:
         """One batched call: append tokens to several conversations (each after its pending tokens);
         returns each conversation's last logits. Decode steps of many chats share one call."""
+        protect = {id(self._conv(cid)) for cid in feeds}
+        if any(not self._conv(cid).pending and not toks for cid, toks in feeds.items()):
+            raise PagedKVError("step() needs at least one token per conversation.")
         items = []
         for cid, toks in feeds.items():
-            conv = self._conv(cid)
+            conv = self._resident(cid, protect)
             items.append((conv, conv.pending + list(toks)))
-        if any(not t for _, t in items):
-            raise PagedKVError("step() needs at least one token per conversation.")
         t0 = time.perf_counter()
         logits = self._run(items)
         for conv, _ in items:
@@ -305,6 +474,7 @@ class Engine:
         caller's own `app` bytes) to path, atomically. Returns the file's size in bytes."""
         from runtime_sim import conversation_file
 
+        self._resident(cid)
         return conversation_file.save(self, cid, path, app)
 
     def restore(self, path) -> int:
@@ -312,7 +482,12 @@ class Engine:
         another model, spec or version, or a damaged one, raises PagedKVError and changes nothing."""
         from runtime_sim import conversation_file
 
-        return conversation_file.restore(self, path)
+        if self.policy != "adaptive":
+            return conversation_file.restore(self, path)
+        d = conversation_file.read(path)
+        conversation_file.check_compatible(d, conversation_file.describe(self), path)  # before spilling anyone
+        self._room_for_file(d, set())
+        return conversation_file.restore_data(self, d, path)
 
     # -- stats ---------------------------------------------------------------------------------
 
@@ -328,5 +503,31 @@ class Engine:
             pool_bytes=lay.total_bytes,
             prefill_tok_s=c.prefill_tokens / c.prefill_seconds if c.prefill_seconds else 0.0,
             decode_tok_s=c.decode_tokens / c.decode_seconds if c.decode_seconds else 0.0,
+            ladder=dict(policy=self.policy, evictions=c.evictions, slides=c.slides, spills=c.spills,
+                        spill_bytes=c.spill_bytes, spill_failures=c.spill_failures,
+                        restores_from_spill=c.restores_from_spill, spill_reprefills=c.spill_reprefills,
+                        spilled_now=len(self.spilled())),
         )
         return s
+
+    def check_invariants(self) -> None:
+        """The pool's invariants (toolkit.block_pool) and the engine's: every conversation is either
+        resident (a live sequence of its own holding exactly its history) or spilled (no sequence, a
+        spill file on disk), and every live sequence belongs to a conversation."""
+        from toolkit.errors import PoolStateError
+
+        self.pool.check_invariants()
+        live, seen = set(self.pool.live_sequences()), set()
+        for cid, c in self.conversations.items():
+            if c.spill is not None:
+                if c.seq != SPILLED or not c.spill.is_file():
+                    raise PoolStateError(f"engine invariant broken: spilled conversation {cid} has slot {c.seq}, "
+                                         f"file {c.spill} exists={c.spill.is_file()}")
+                continue
+            if c.seq not in live or c.seq in seen:
+                raise PoolStateError(f"engine invariant broken: conversation {cid} has slot {c.seq}, not its own")
+            seen.add(c.seq)
+            if self.pool.tokens(c.seq) != c.history:
+                raise PoolStateError(f"engine invariant broken: conversation {cid}'s history differs from its cache")
+        if seen != live:
+            raise PoolStateError(f"engine invariant broken: slots {sorted(live - seen)} belong to no conversation")
