@@ -89,8 +89,8 @@ def check_runtime_options(pool_mb, pool_fraction, threads, policy, backend):
     check_number("--pool-mb", pool_mb, 0, 2**20, lo_open=True)
     check_number("--pool-fraction", pool_fraction, 0, 1, lo_open=True)
     check_number("--threads", threads, 0, None, what=" (0 = the runtime's default)")
-    if policy not in ("error", "evict", "sliding"):
-        _bad(f"unknown pool policy '{policy}': use error, evict or sliding.")
+    if policy not in ("error", "evict", "sliding", "adaptive"):
+        _bad(f"unknown pool policy '{policy}': use error, evict, sliding or adaptive.")
     if backend not in ("onnxruntime", "executorch", "torch"):
         _bad(f"unknown backend '{backend}': use onnxruntime, executorch or torch.")
 
@@ -133,22 +133,34 @@ def specs():
 @app.command("eval")
 @friendly_errors
 def eval_(
-    model: str = typer.Argument(..., help="HF model dir (config.json + *.safetensors), a .gguf file, or 'smollm2'."),
+    model: str = typer.Argument(..., help="HF model dir (config.json + *.safetensors), a .gguf file, or 'smollm2'; "
+                                "or an artifacts dir (then the reference is the model its manifest names)."),
     text: str = typer.Option(..., "--text", help="UTF-8 text file to evaluate on (e.g. wikitext-2 wiki.test.raw)."),
     ctx: int = typer.Option(..., "--ctx", help="Tokens per window (one paged call each)."),
     windows: int = typer.Option(1, "--windows", help="Consecutive non-overlapping windows from the start of the text."),
     spec: list[str] = typer.Option(
         None, "--spec", help="KV spec to compare (repeatable): a preset name or PRESET:field=value,... "
-        "Default: fp16 q8_0-q4_0 et-int8 default best k4v4.",
+        "Default: fp16 q8_0-q4_0 et-int8 default best k4v4 k5v4; with --artifacts: the artifacts' own KV specs.",
     ),
+    artifacts: list[Path] = typer.Option(
+        None, "--artifacts", help="Artifacts dir made by `pagedkv export` from MODEL (repeatable): one row each, its "
+        "weight format and KV spec run through the exported model (onnxruntime, or --backend executorch).",
+    ),
+    backend: str = typer.Option("onnxruntime", "--backend", help="Runtime of the --artifacts rows: onnxruntime "
+                                "(model.onnx) or executorch (model.pte)."),
+    threads: int = typer.Option(0, "--threads", "-t", help="Threads of the artifacts' runtime; 0 = its default."),
     block_size: int = typer.Option(16, "--block-size", help="Pool block size (16 or 32)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of a table."),
     bos: Optional[bool] = typer.Option(None, "--bos/--no-bos", help="BOS as every window's first token, as "
                                        "llama.cpp's perplexity does. Default: when the tokenizer adds one (Gemma)."),
 ):
-    """Fidelity of KV specs vs the unquantized pool: PPL, KL divergence, top-1 agreement (teacher-forced)."""
+    """Fidelity of KV specs (and of exported artifacts' weight formats) vs the unquantized pool of the fp32
+    model: PPL, KL divergence, top-1 agreement (teacher-forced)."""
     check_number("--ctx", ctx, 2, 1 << 20)
     check_number("--windows", windows, 1, 1 << 20)
+    check_number("--threads", threads, 0, None, what=" (0 = the runtime's default)")
+    if backend not in ("onnxruntime", "executorch"):
+        _bad(f"unknown backend '{backend}' for --artifacts: use onnxruntime or executorch.")
     from toolkit.kv_spec import resolve_spec
 
     for item in spec or []:
@@ -157,9 +169,15 @@ def eval_(
     from pathlib import Path
 
     from toolkit.errors import ArtifactError
-    from toolkit.fidelity import DEFAULT_SPECS, evaluate, rich_table
-    from toolkit.model_loading import load_model
+    from toolkit.fidelity import DEFAULT_SPECS, evaluate, read_artifact_manifest, rich_table, spec_name
+    from toolkit.manifest import MANIFEST_NAME, layout_from_manifest
 
+    artifacts = [Path(a).expanduser() for a in artifacts or []]
+    if (Path(model).expanduser() / MANIFEST_NAME).is_file():  # an artifacts dir: its own model is the reference
+        artifacts.insert(0, Path(model).expanduser())
+        model = read_artifact_manifest(artifacts[0])["model"]["name"]
+    # every manifest before the model loads: a wrong dir fails at once
+    kv_specs = [spec_name(layout_from_manifest(read_artifact_manifest(a)).spec) for a in artifacts]
     text = Path(text)
     if not text.is_file():
         raise ArtifactError(f"text file {text} does not exist: pass --text FILE with a UTF-8 text.")
@@ -167,9 +185,17 @@ def eval_(
         content = text.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ArtifactError(f"cannot read {text} as UTF-8 text: {e}") from e
+    from toolkit.model_loading import load_model
+
+    if spec:
+        specs = list(spec)
+    elif artifacts:  # each artifact beside its KV spec on the fp32 model: the weights' share of the difference
+        specs = [s for s in dict.fromkeys(kv_specs) if ":" not in s and " " not in s]
+    else:
+        specs = list(DEFAULT_SPECS)
     hf_model, tokenizer = load_model(model)
-    result = evaluate(hf_model, tokenizer, content, ctx, list(spec or DEFAULT_SPECS), windows, block_size, model_name=model,
-                      bos=bos)
+    result = evaluate(hf_model, tokenizer, content, ctx, specs, windows, block_size, model_name=model, bos=bos,
+                      artifacts=artifacts, backend=backend, threads=threads)
     if as_json:
         print(json.dumps(result))
     else:
@@ -243,7 +269,7 @@ def run(
     pool_mb: Optional[float] = typer.Option(None, help="Pool budget in MiB, allocated at startup (onnxruntime/torch; "
                                             "at most the exported pool)."),
     pool_fraction: Optional[float] = typer.Option(None, help="Pool budget as a fraction of available RAM."),
-    policy: str = typer.Option("error", help="When the pool is full: error, evict (LRU chat) or sliding."),
+    policy: str = typer.Option("error", help="When the pool is full: error, evict (LRU chat), sliding, or adaptive (spill idle chats to disk, then slide)."),
     threads: int = typer.Option(0, "--threads", "-t", help="Threads of the runtime (onnxruntime's intra-op pool / "
                                 "ExecuTorch's threadpool / torch), which the attention kernel shares; 0 = its default."),
 ):
@@ -295,7 +321,7 @@ def chat(
     pool_mb: Optional[float] = typer.Option(None, help="Pool budget in MiB, allocated at startup (onnxruntime/torch; "
                                             "at most the exported pool)."),
     pool_fraction: Optional[float] = typer.Option(None, help="Pool budget as a fraction of available RAM."),
-    policy: str = typer.Option("error", help="When the pool is full: error, evict (LRU chat) or sliding."),
+    policy: str = typer.Option("error", help="When the pool is full: error, evict (LRU chat), sliding, or adaptive (spill idle chats to disk, then slide)."),
     threads: int = typer.Option(0, "--threads", "-t", help="Threads of the runtime (onnxruntime's intra-op pool / "
                                 "ExecuTorch's threadpool / torch), which the attention kernel shares; 0 = its default."),
 ):
