@@ -96,6 +96,49 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def _chat_template(tokenizer) -> str | None:
+    """The tokenizer's chat template (one Jinja string; a dict of named templates is not supported by
+    the runtimes, so none is written)."""
+    t = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    return t if isinstance(t, str) and t else None
+
+
+_PROBE = "pagedkv0reply0probe"
+
+
+def _end_of_turn_ids(tokenizer) -> list[int]:
+    """The special token the chat template writes right after an assistant's reply (ChatML's <|im_end|>,
+    Gemma's <end_of_turn>, Llama 3's <|eot_id|>): a chat reply ends there even when it is not an eos id.
+    Found by rendering a two-turn chat whose reply is a probe word and reading the token after it."""
+    if _chat_template(tokenizer) is None:
+        return []
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
+    try:
+        text = tokenizer.apply_chat_template(chat, tokenize=False)
+    except Exception:  # noqa: BLE001  a template that refuses this chat (or any error in it) names no end of turn
+        return []
+    at = text.rfind(_PROBE) if isinstance(text, str) else -1
+    if at < 0:
+        return []
+    after = list(tokenizer(text[at + len(_PROBE):], add_special_tokens=False)["input_ids"])
+    special = set(tokenizer.all_special_ids)
+    special |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+    return after[:1] if after and after[0] in special else []
+
+
+def chat_fields(tokenizer, eos_ids: list[int], vocab_size: int) -> dict:
+    """pagedkv.json's chat_template and stop_token_ids (eos ids + the template's end of turn, below
+    vocab_size), for runners that do not read the tokenizer files (the Android runner)."""
+    if tokenizer is None:
+        return {}
+    out = {}
+    template = _chat_template(tokenizer)
+    if template is not None:
+        out["chat_template"] = template
+    out["stop_token_ids"] = sorted(i for i in set(eos_ids) | set(_end_of_turn_ids(tokenizer)) if 0 <= i < vocab_size)
+    return out
+
+
 def check_options(formats, onnx_weights: str, pte_weights: str, max_tokens_per_call: int) -> None:
     for f in formats:
         if f not in FORMATS:
@@ -242,9 +285,10 @@ def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, o
                max_tokens_per_call, console) -> dict:
     """Write every file of the export into `out` (a fresh dir); the manifest last."""
     from toolkit.compiler import compile, groups_manifest, model_dims, sliding_pool_blocks
-    from toolkit.manifest import check_file_name
+    from toolkit.manifest import check_file_name, weights_sha256
 
     dims = model_dims(model.config)
+    weights = weights_sha256(model)  # before any format quantizes them (8da4w does, in place)
     say = lambda msg: console.print(f"[dim]  {msg}[/]")  # noqa: E731
     tok_files = []
     if tokenizer is not None:
@@ -288,11 +332,13 @@ def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, o
             "head_dim": dims.head_dim,
             "vocab_size": dims.vocab_size,
             "eos_token_ids": _eos_ids(model, tokenizer),
+            "weights_sha256": weights,
         },
         "pool": layout.to_dict(),
         **({"groups": groups_manifest(paged.groups)} if groups_manifest(paged.groups) else {}),
         "artifacts": artifacts,
         "tokenizer_files": tok_files,
+        **chat_fields(tokenizer, _eos_ids(model, tokenizer), dims.vocab_size),
     }
     write_manifest(out, manifest)
     from toolkit.manifest import read_manifest

@@ -4,10 +4,12 @@ between export, the runtimes, deploy and the Android runner.
 {
   "format_version": 1,
   "model": {"name", "model_type", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
-            "eos_token_ids"},
+            "eos_token_ids", "weights_sha256" (optional: weights_sha256() of the weights exported)},
   "pool": PoolLayout.to_dict() (spec, shapes, dtypes, bytes_per_token, largest_allocation_bytes, ...),
   "artifacts": {"onnx": {"file", "sha256", "inputs", "outputs", ...}, "pte": {...}},
   "tokenizer_files": [...],
+  "chat_template": the tokenizer's Jinja chat template (optional; the Android runner renders it),
+  "stop_token_ids": ids that end a chat reply: eos ids + the template's end-of-turn token (optional),
   "versions": {"pagedkv", "torch", "executorch", "onnx", "onnxruntime", "transformers"}
 }
 
@@ -47,6 +49,8 @@ ONNX_POOL_KEY = "pagedkv_pool"
 # The .pte's constant method returning the same JSON as uint8 codes.
 PTE_POOL_METHOD = "pagedkv_pool"
 _MODEL_INTS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
+MAX_CHAT_TEMPLATE_BYTES = 1 << 20  # real templates are < 64 KiB; the runner holds it in memory
+MAX_STOP_TOKEN_IDS = 64
 _POOL_INTS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "max_seqs")
 
 
@@ -142,6 +146,37 @@ def _check_model(m: dict, where: str) -> None:
     eos = m.get("eos_token_ids", [])
     if not isinstance(eos, list) or not all(_is_int(x) and x >= 0 for x in eos):
         _fail(where, f"model.eos_token_ids must be a list of token ids, not {json.dumps(eos)[:40]}")
+    sha = m.get("weights_sha256")
+    if sha is not None and not _is_sha256(sha):
+        _fail(where, "model.weights_sha256 must be 64 hex digits")
+
+
+def _is_sha256(x) -> bool:
+    return isinstance(x, str) and len(x) == 64 and all(c in string.hexdigits for c in x)
+
+
+def _check_chat(m: dict, where: str) -> None:
+    """The optional chat_template (a string of bounded size, valid UTF-8) and stop_token_ids (a short
+    list of ids below the model's vocab_size) the Android runner reads."""
+    if "chat_template" in m:
+        t = m["chat_template"]
+        if not isinstance(t, str) or not t:
+            _fail(where, f"chat_template must be a non-empty string, not {json.dumps(t)[:40]}")
+        try:
+            size = len(t.encode("utf-8"))
+        except UnicodeEncodeError:
+            _fail(where, "chat_template is not valid Unicode (it holds a lone surrogate)")
+        if size > MAX_CHAT_TEMPLATE_BYTES:
+            _fail(where, f"chat_template is {size} bytes, more than the {MAX_CHAT_TEMPLATE_BYTES} a template may have")
+    if "stop_token_ids" in m:
+        ids = m["stop_token_ids"]
+        if not isinstance(ids, list) or not all(_is_int(x) and x >= 0 for x in ids):
+            _fail(where, f"stop_token_ids must be a list of token ids, not {json.dumps(ids)[:40]}")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            _fail(where, f"stop_token_ids lists {len(ids)} ids, more than {MAX_STOP_TOKEN_IDS}")
+        vocab = m.get("model", {}).get("vocab_size") if isinstance(m.get("model"), dict) else None
+        if _is_int(vocab) and any(x >= vocab for x in ids):
+            _fail(where, f"stop_token_ids has id {max(ids)}, not below model.vocab_size={vocab}")
 
 
 def _check_pool(p: dict, where: str) -> PoolLayout:
@@ -168,7 +203,7 @@ def _check_artifact(kind: str, e, where: str) -> None:
         _fail(where, f"artifacts.{kind} must be an object")
     check_file_name(e.get("file"), f"artifacts.{kind}.file")
     sha = e.get("sha256")
-    if sha is not None and not (isinstance(sha, str) and len(sha) == 64 and all(c in string.hexdigits for c in sha)):
+    if sha is not None and not _is_sha256(sha):
         _fail(where, f"artifacts.{kind}.sha256 must be 64 hex digits")
     for key in ("inputs", "outputs"):
         names = e.get(key)
@@ -220,6 +255,7 @@ def validate_manifest(m, where: str = MANIFEST_NAME, require: tuple[str, ...] = 
             for key in ("num_layers", "num_kv_heads", "head_dim"):
                 if model[key] != getattr(layout, key):
                     _fail(where, f"model.{key}={model[key]} but pool.{key}={getattr(layout, key)}")
+    _check_chat(m, where)
     versions = m.get("versions", {})
     if not isinstance(versions, dict) or not all(isinstance(v, str) for v in versions.values()):
         _fail(where, "versions must be an object of version strings")
@@ -307,6 +343,55 @@ def verify_artifact(art_dir: Path, manifest: dict, kind: str) -> Path:
                 f"this installation, or install {name}=={want}."
             )
     return path
+
+
+# ----------------------------------------------------------------------------------------------
+# The model an export was made from
+
+
+def weights_sha256(model) -> str:
+    """sha256 of a torch model's weights as loaded: each state_dict entry's name, dtype, shape and
+    bytes, in name order. Export records it as model.weights_sha256 (before any weight quantization);
+    `pagedkv eval --artifacts` compares it with the reference model's. torch only inside (a torch
+    model is passed in anyway); SmolLM2's 540 MB take ~2 s."""
+    import torch
+
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+MODEL_IDENTITY = ("model_type",) + _MODEL_INTS
+
+
+def check_same_model(where: str, manifest: dict, name: str, identity: dict, weights_sha=None) -> None:
+    """The manifest's model must be the one named `name`: the same model_type, sizes and vocab
+    (`identity`, keys MODEL_IDENTITY), and the same weights: model.weights_sha256 against
+    `weights_sha()` (a callable, run only when the manifest records one); a manifest without it
+    (exported before it was recorded) must name the same model. ArtifactError (one line) otherwise."""
+    m = manifest.get("model")
+    if not isinstance(m, dict):
+        raise ArtifactError(f"{where}'s manifest has no model section: re-run `pagedkv export`.")
+    diff = [f"{k} {m.get(k)} vs {identity.get(k)}" for k in MODEL_IDENTITY if m.get(k) != identity.get(k)]
+    if diff:
+        raise ArtifactError(f"{where} was exported from another model than {name} ({', '.join(diff)}; it names "
+                            f"{m.get('name')!r}): give the model it was exported from as the reference.")
+    sha = m.get("weights_sha256")
+    if sha is not None and weights_sha is not None:
+        have = weights_sha()
+        if have != sha:
+            raise ArtifactError(f"{where} was exported from other weights than {name} (weights sha256 {sha[:12]}... vs "
+                                f"{have[:12]}...): give the model it was exported from as the reference.")
+    elif sha is None and str(m.get("name")) != str(name):
+        same_path = Path(str(m.get("name"))).expanduser().exists() and \
+            Path(str(m.get("name"))).expanduser().resolve() == Path(str(name)).expanduser().resolve()
+        if not same_path:
+            raise ArtifactError(f"{where} was exported from {m.get('name')!r}, not {name!r}, and records no weights "
+                                f"sha256 to tell whether they are the same: give {m.get('name')!r} as the reference, "
+                                "or re-export it with this pagedkv.")
 
 
 def layout_from_manifest(manifest: dict) -> PoolLayout:
