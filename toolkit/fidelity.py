@@ -16,16 +16,24 @@ Method (the numbers in DESIGN.md were measured the same way):
 
 A spec is a preset name ("default", "q8_0-q4_0", ...) or a preset with field overrides,
 "default:v_group=16,v_sym=true" (fields of KVQuantSpec), which names the row as written.
+
+Exported artifacts (`artifacts=[dir, ...]`, `pagedkv eval MODEL --artifacts DIR`) add one row each,
+scored the same way against the same reference rows: the windows run through the artifact's own
+runtime (runtime_sim's Engine on onnxruntime or ExecuTorch, as the chat runs it: prefill in chunks of
+the engine's prefill size, the pool laid out as the manifest says), so a row shows what the weight
+format (fp32 / int4 / int4-e4 / 8da4w ...) and the exported KV spec cost together. The artifact must
+have been exported from the reference model (toolkit.manifest.check_same_model).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 import torch
 
-from toolkit.errors import PagedKVError, SpecError
+from toolkit.errors import ArtifactError, PagedKVError, SpecError
 from toolkit.kv_spec import DEFAULT_SPECS, parse_spec  # noqa: F401  (part of this module's interface)
 from toolkit.quant import bytes_per_token, fp16_bytes_per_token
 
@@ -85,9 +93,14 @@ def evaluate_ids(
     progress: bool = True,
     bos_id: int | None = None,
     kernel: str = "native",
+    artifacts: list | None = None,
+    backend: str = "onnxruntime",
+    threads: int = 0,
 ) -> dict:
     """Like `evaluate`, on token ids already cut from a text (no tokenizer needed); bos_id replaces
-    each window's first token."""
+    each window's first token. artifacts: exported artifacts dirs, one row each after the specs' (run
+    on `backend` with `threads`; the row also has "artifact", "format", "weights", "kv_spec",
+    "weights_file_bytes", "backend")."""
     from toolkit.compiler import compile, model_dims  # heavy import (transformers)
 
     ids = torch.as_tensor(ids, dtype=torch.int64).flatten()
@@ -114,18 +127,51 @@ def evaluate_ids(
             spec.validate(dims.head_dim)
         except SpecError as e:
             raise SpecError(f"spec '{name}': {e}") from None
+    arts = [open_artifact(a, model, model_name or _model_name(model), ctx, backend, threads) for a in artifacts or []]
     num_blocks = -(-ctx // block_size)
     # one block table for all layers (groups=False): a window of ctx tokens needs every block anyway
     paged = {name: compile(model, spec, block_size=block_size, num_blocks=num_blocks, max_seqs=1, groups=False)
              for name, spec in rows}
+    runners = [(name, functools.partial(_window_logits, paged[name], block_size=block_size)) for name, _ in rows]
+    runners += [(a.name, a.window_logits) for a in arts]
+    if len({name for name, _ in runners}) != len(runners):
+        raise PagedKVError(f"an artifact is listed twice in {[name for name, _ in runners]}: list each once.")
+    with _op_kernel(kernel):
+        nll, kld, agree, count = score_windows(runners, ids, ctx, windows, bos_id, progress)
 
-    n = len(rows)
+    fp16 = fp16_bytes_per_token(dims.num_kv_heads, dims.head_dim, dims.num_layers)
+    ppl = torch.exp(nll / count)
+    results = []
+    entries = [(name, spec, {}) for name, spec in rows] + [(a.name, a.spec, a.info) for a in arts]
+    for i, (name, spec, extra) in enumerate(entries):
+        results.append(
+            {
+                "spec": name,
+                "bytes_per_token_vs_fp16": round(
+                    bytes_per_token(spec, dims.num_kv_heads, dims.head_dim, dims.num_layers) / fp16, 4
+                ),
+                "ppl": round(float(ppl[i]), 4),
+                "ppl_increase_pct": round(float((ppl[i] / ppl[0] - 1) * 100), 4),
+                "kld_mean": float(f"{float(kld[i] / count):.6g}"),
+                "top1_agreement": round(float(agree[i] / count), 5),
+                **extra,
+            }
+        )
+    return {"model": model_name or _model_name(model), "ctx": ctx, "bos": bos_id is not None, "results": results}
+
+
+def score_windows(runners, ids: torch.Tensor, ctx: int, windows: int, bos_id: int | None = None,
+                  progress: bool = True):
+    """The metrics of every row over the windows: runners is [(name, window -> logits [ctx, vocab])],
+    the first one the reference. Returns per-row sums (nll, kld, top-1 agreements) and the count of
+    predictions: PPL = exp(nll / count), KLD = kld / count, top-1 = agree / count."""
+    n = len(runners)
     nll = torch.zeros(n, dtype=torch.float64)
     kld = torch.zeros(n, dtype=torch.float64)
     agree = torch.zeros(n, dtype=torch.float64)
     count = 0
     progress_bar = _progress(progress)
-    with _op_kernel(kernel), progress_bar as bar:
+    with progress_bar as bar:
         task = bar.add_task("fidelity", total=n * windows) if bar else None
         for w in range(windows):
             window = ids[w * ctx : (w + 1) * ctx]
@@ -133,10 +179,10 @@ def evaluate_ids(
                 window = torch.cat((torch.tensor([bos_id]), window[1:]))
             target = window[1:]
             ref_logp = ref_top = None
-            for i, (name, _) in enumerate(rows):
+            for i, (name, run) in enumerate(runners):
                 if bar:
                     bar.update(task, description=f"ctx {ctx} window {w + 1}/{windows} {name}")
-                logp = torch.log_softmax(_window_logits(paged[name], window, block_size)[:-1], dim=-1)
+                logp = torch.log_softmax(run(window)[:-1].float(), dim=-1)
                 top = logp.argmax(-1)
                 nll[i] += float(-logp.gather(1, target[:, None]).sum(dtype=torch.float64))
                 if i == 0:
@@ -151,24 +197,124 @@ def evaluate_ids(
             count += target.numel()
             if bar and not bar.console.is_terminal:  # a log file gets one line per window instead of a bar
                 bar.console.print(f"ctx {ctx}: window {w + 1}/{windows} done, {bar.tasks[0].elapsed:.0f} s")
+    return nll, kld, agree, count
 
-    fp16 = fp16_bytes_per_token(dims.num_kv_heads, dims.head_dim, dims.num_layers)
-    ppl = torch.exp(nll / count)
-    results = []
-    for i, (name, spec) in enumerate(rows):
-        results.append(
-            {
-                "spec": name,
-                "bytes_per_token_vs_fp16": round(
-                    bytes_per_token(spec, dims.num_kv_heads, dims.head_dim, dims.num_layers) / fp16, 4
-                ),
-                "ppl": round(float(ppl[i]), 4),
-                "ppl_increase_pct": round(float((ppl[i] / ppl[0] - 1) * 100), 4),
-                "kld_mean": float(f"{float(kld[i] / count):.6g}"),
-                "top1_agreement": round(float(agree[i] / count), 5),
-            }
-        )
-    return {"model": model_name or _model_name(model), "ctx": ctx, "bos": bos_id is not None, "results": results}
+
+# ----------------------------------------------------------------------------------------------
+# Exported artifacts as rows
+
+
+def read_artifact_manifest(art_dir) -> dict:
+    """The artifacts dir's validated manifest (toolkit.manifest.read_manifest: digest, sections, file
+    names), read before any model loads so that a wrong dir fails at once."""
+    from pathlib import Path
+
+    from toolkit.manifest import read_manifest
+
+    art_dir = Path(art_dir)
+    if not art_dir.is_dir():
+        raise ArtifactError(f"--artifacts {art_dir} is not a directory: give a directory made by `pagedkv export`.")
+    return read_manifest(art_dir, require=("model", "pool"))
+
+
+def spec_name(spec) -> str:
+    """A preset's name when the spec is one, else its description."""
+    from toolkit.kv_spec import PRESETS
+
+    return next((name for name, p in PRESETS.items() if p == spec), spec.describe())
+
+
+class _KeepLogits:
+    """The engine's backend, keeping every call's logits [T, vocab]: the engine hands on only each
+    call's last row (what a chat needs), teacher forcing needs them all."""
+
+    def __init__(self, backend):
+        self.inner = backend
+        self.calls = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, ids, positions, seq_ids, tables):
+        out = self.inner.forward(ids, positions, seq_ids, tables)
+        self.calls.append(out)
+        return out
+
+
+class ArtifactRow:
+    """One exported artifact as a row: opened as the chat opens it (runtime_sim.session.open_artifacts:
+    artifact sha256, package versions, graph against manifest), after checking that it was exported from
+    the reference model and that its pool holds a window."""
+
+    def __init__(self, art_dir, manifest: dict, engine, ctx: int):
+        kind = "pte" if engine.backend.name == "executorch" else "onnx"
+        entry = manifest["artifacts"][kind]
+        self.engine = engine
+        self.spec = engine.backend.layout.spec
+        weights = entry.get("weights", "fp32")
+        kv = spec_name(self.spec)
+        self.name = f"{kind} {weights} / {kv}"
+        self.info = {"artifact": str(art_dir), "format": kind, "weights": weights, "kv_spec": kv,
+                     "weights_file_bytes": entry.get("bytes"), "backend": engine.backend.name}
+        self._keep = _KeepLogits(engine.backend)
+        engine.backend = self._keep
+
+    def window_logits(self, window: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+
+        eng = self.engine
+        cid = eng.new_conversation()
+        self._keep.calls = []
+        try:
+            eng.prefill(cid, [int(t) for t in window])
+        finally:
+            eng.close(cid)
+        return torch.from_numpy(np.concatenate(self._keep.calls, axis=0))
+
+
+def model_identity(model) -> dict:
+    """What a manifest records of its model (toolkit.manifest.MODEL_IDENTITY), from a loaded model."""
+    from toolkit.compiler import model_dims
+
+    d = model_dims(model.config)
+    return {"model_type": model.config.model_type, "num_layers": d.num_layers, "num_heads": d.num_heads,
+            "num_kv_heads": d.num_kv_heads, "head_dim": d.head_dim, "vocab_size": d.vocab_size}
+
+
+def open_artifact(art_dir, model, model_name: str, ctx: int, backend: str = "onnxruntime",
+                  threads: int = 0) -> ArtifactRow:
+    """An artifacts dir as a row of the table, or ArtifactError (one line): not an export, exported from
+    another model than the reference, a pool too small for a window, or a damaged/mismatched file."""
+    from runtime_sim.session import open_artifacts  # lazily: toolkit imports nothing above it at import time
+    from toolkit.manifest import check_same_model, weights_sha256
+
+    manifest = read_artifact_manifest(art_dir)
+    kind = "pte" if backend == "executorch" else "onnx"
+    if kind not in manifest["artifacts"]:
+        have = ", ".join(manifest["artifacts"]) or "none"
+        raise ArtifactError(f"{art_dir} has no {kind} artifact for the {backend} backend (it has: {have}): choose "
+                            "the backend of its format.")
+    check_same_model(str(art_dir), manifest, model_name, model_identity(model), lambda: weights_sha256(model))
+    pool = manifest["pool"]
+    bs = pool["block_size"]
+    max_blocks = manifest["artifacts"][kind].get("max_blocks_per_seq")
+    if max_blocks is not None and -(-ctx // bs) > max_blocks:
+        raise ArtifactError(f"{art_dir}: a window of ctx {ctx} needs {-(-ctx // bs)} blocks of {bs} tokens, its "
+                            f"{kind} takes at most {max_blocks} per sequence: lower --ctx or re-export it.")
+    engine = open_artifacts(art_dir, backend, threads=threads)
+    seq = engine.pool.new_sequence()
+    try:
+        need = engine.pool.blocks_needed(seq, ctx, engine.prefill_chunk)
+        free = engine.pool.free_blocks()
+    finally:
+        engine.pool.release(seq)
+    short = [g for g, (n, f) in enumerate(zip(need, free)) if n > f]
+    if short:
+        g = short[0]
+        raise ArtifactError(f"{art_dir}: its pool holds {free[g]} blocks of {bs} tokens ({free[g] * bs} tokens"
+                            f"{f' in layer group {g}' if len(free) > 1 else ''}), a window of ctx {ctx} needs "
+                            f"{need[g]}: lower --ctx or re-export with --pool-tokens {ctx} or more.")
+    return ArtifactRow(art_dir, manifest, engine, ctx)
 
 
 def evaluate(
@@ -183,6 +329,9 @@ def evaluate(
     progress: bool = True,
     bos: bool | None = None,
     kernel: str = "native",
+    artifacts: list | None = None,
+    backend: str = "onnxruntime",
+    threads: int = 0,
 ) -> dict:
     """Teacher-forced fidelity of each KV spec vs the fp32 pool over `windows` windows of `ctx` tokens.
 
@@ -200,7 +349,8 @@ def evaluate(
             raise PagedKVError("--bos: the tokenizer has no BOS token; leave --bos out.")
     if bos is False:
         bos_id = None
-    return evaluate_ids(model, ids, ctx, specs, windows, block_size, model_name, progress, bos_id, kernel)
+    return evaluate_ids(model, ids, ctx, specs, windows, block_size, model_name, progress, bos_id, kernel, artifacts,
+                        backend, threads)
 
 
 class _NoProgress:
@@ -266,6 +416,6 @@ def timed_evaluate(*args, **kwargs) -> tuple[dict, float]:
 
 
 __all__ = [
-    "DEFAULT_SPECS", "REFERENCE", "evaluate", "evaluate_ids", "markdown_table", "parse_spec", "rich_table",
-    "tokenize", "timed_evaluate",
+    "DEFAULT_SPECS", "REFERENCE", "ArtifactRow", "evaluate", "evaluate_ids", "markdown_table", "open_artifact",
+    "parse_spec", "read_artifact_manifest", "rich_table", "score_windows", "spec_name", "tokenize", "timed_evaluate",
 ]
