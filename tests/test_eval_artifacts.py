@@ -159,3 +159,20 @@ def test_open_artifact_api_errors(setup):
     with pytest.raises(ArtifactError, match="its pool holds"):
         evaluate_ids(model, list(range(3, 200)), CTX, [], 1, model_name=str(d / "m"), progress=False,
                      artifacts=[arts["small-pool"]])
+
+
+def test_pte_export_on_executorch_equals_the_reference(setup):
+    """The same on the .pte through the ExecuTorch runtime (prefill chunks of its max_tokens_per_call)."""
+    d, arts = setup
+    export_artifacts(str(d / "m"), d / "pte", ("pte",), "fp32", PoolRequest(pool_tokens=128, max_seqs=1),
+                     max_tokens_per_call=32)
+    model, tok = load_model(str(d / "m"))
+    ids = tok((d / "t.txt").read_text(), add_special_tokens=False)["input_ids"]
+    res = evaluate_ids(model, ids, CTX, [], WINDOWS, model_name=str(d / "m"), progress=False, artifacts=[d / "pte"],
+                       backend="executorch")
+    ref, pte = res["results"]
+    assert pte["spec"] == "pte fp32 / fp32" and pte["backend"] == "executorch"
+    assert pte["ppl"] == pytest.approx(ref["ppl"], rel=2e-5)
+    assert abs(pte["kld_mean"]) < 1e-6
+    with pytest.raises(ArtifactError, match="has no onnx artifact for the onnxruntime backend"):
+        evaluate_ids(model, ids, CTX, [], 1, model_name=str(d / "m"), progress=False, artifacts=[d / "pte"])
