@@ -22,8 +22,8 @@ from rich.console import Console
 
 from toolkit.errors import ArtifactError, PagedKVError, SpecError
 from toolkit.manifest import sha256_file, write_manifest
-from toolkit.pool_layout import PoolLayout, check_block_size
-from toolkit.kv_spec import KVQuantSpec, bytes_per_token, fp_stage_bytes_per_sequence, resolve_spec
+from toolkit.pool_layout import PoolLayout, budget_blocks, check_block_size
+from toolkit.kv_spec import KVQuantSpec, resolve_spec
 
 FORMATS = ("onnx", "pte")
 ONNX_WEIGHTS = ("fp32", "int4", "int4-e4")
@@ -58,17 +58,10 @@ class PoolRequest:
 
     def num_blocks(self, spec: KVQuantSpec, num_layers: int, kv_heads: int, head_dim: int) -> int:
         self.check()
-        if self.pool_mb is not None:
-            per_token = bytes_per_token(spec, kv_heads, head_dim, num_layers)
-            stage = fp_stage_bytes_per_sequence(spec, self.block_size, kv_heads, head_dim, num_layers) * self.max_seqs
-            budget = self.pool_mb * 2**20 - stage
-            blocks = int(budget // (per_token * self.block_size))
-            if blocks < 1:
-                raise SpecError(
-                    f"--pool-mb {self.pool_mb} is too small for one block of {self.block_size} tokens "
-                    f"({per_token * self.block_size + stage} bytes with {self.max_seqs} sequences): raise it."
-                )
-            return blocks
+        if self.pool_mb is not None:  # the most blocks whose whole pool fits (toolkit.pool_layout.budget_blocks)
+            shape = PoolLayout(spec, num_layers, kv_heads, head_dim, self.block_size, 1, self.max_seqs)
+            return budget_blocks(shape, self.pool_mb * 2**20,
+                                 f"--pool-mb {self.pool_mb} (with {self.max_seqs} sequences)")
         tokens = self.pool_tokens if self.pool_tokens is not None else 2048
         if tokens < 1:
             raise SpecError(f"--pool-tokens {tokens}: the pool needs at least one token.")
@@ -76,7 +69,7 @@ class PoolRequest:
 
 
 def make_layout(config, spec: KVQuantSpec, req: PoolRequest) -> PoolLayout:
-    from toolkit.compiler import model_dims
+    from toolkit.model_dims import model_dims
 
     d = model_dims(config)
     nb = req.num_blocks(spec, d.num_layers, d.num_kv_heads, d.head_dim)

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from toolkit.errors import ArtifactError, SpecError
 from toolkit.model_dims import ModelDims, layer_windows, model_dims
-from toolkit.pool_layout import VALID_BLOCK_SIZES, PoolLayout
+from toolkit.pool_layout import MIN_POOL_BLOCKS, VALID_BLOCK_SIZES, PoolLayout
+from toolkit.pool_layout import blocks_for_budget as layout_blocks_for_budget
 from toolkit.kv_spec import (
     DEFAULT_SPECS,
     KVQuantSpec,
@@ -193,18 +194,15 @@ def as_dims(config_or_dims) -> ModelDims:
 
 
 def pool_fixed_bytes(spec: KVQuantSpec, dims: ModelDims, block_size: int, max_seqs: int) -> int:
-    """Bytes of a pool that do not depend on its block count (scales placeholder of float pools,
-    stage rows), all layers: PoolLayout.total_bytes == num_blocks * block_size * bytes_per_token + this."""
-    one = PoolLayout(spec, dims.num_layers, dims.num_kv_heads, dims.head_dim, block_size, 1, max_seqs)
-    return one.total_bytes - block_size * one.bytes_per_token
+    """PoolLayout.fixed_bytes of this model's pool: the bytes that do not depend on its block count."""
+    return pool_layout(spec, dims, 1, block_size, max_seqs).fixed_bytes
 
 
 def blocks_for_budget(spec: KVQuantSpec, dims: ModelDims, budget_bytes: int, block_size: int = 16,
                       max_seqs: int = 4) -> int:
-    """The most blocks whose whole pool (PoolLayout.total_bytes) fits in budget_bytes; 0 if none."""
-    bpt = bytes_per_token(spec, dims.num_kv_heads, dims.head_dim, dims.num_layers)
-    free = budget_bytes - pool_fixed_bytes(spec, dims, block_size, max_seqs)
-    return max(0, int(free // (bpt * block_size)))
+    """The most blocks whose whole pool fits in budget_bytes; 0 if none (toolkit.pool_layout.blocks_for_budget,
+    the one formula, which export, run/chat and the Android runner use too)."""
+    return layout_blocks_for_budget(pool_layout(spec, dims, 1, block_size, max_seqs), budget_bytes)
 
 
 def pool_layout(spec: KVQuantSpec, dims: ModelDims, num_blocks: int, block_size: int = 16, max_seqs: int = 4) -> PoolLayout:
@@ -264,6 +262,8 @@ def plan(config_or_dims=None, ram_bytes: int = 4 * 2**30, specs=None, block_size
         spec.validate(D)
         bpt = bytes_per_token(spec, H, D, L)
         nb = blocks_for_budget(spec, dims, ram_bytes, block_size, max_seqs)
+        if nb < MIN_POOL_BLOCKS:  # export and the runtimes refuse a budget this small: it does not fit
+            nb = 0
         row = {
             "name": name,
             "layout": spec.describe(),

@@ -16,7 +16,7 @@ from pathlib import Path
 from toolkit.manifest import layout_from_manifest, read_manifest, verify_artifact
 from runtime_sim.engine import POLICIES, Engine
 from toolkit.errors import ArtifactError, PagedKVError
-from toolkit.pool_layout import PoolLayout
+from toolkit.pool_layout import PoolLayout, budget_blocks
 
 BACKENDS = ("onnxruntime", "executorch", "torch")
 
@@ -54,14 +54,9 @@ def sized_layout(layout: PoolLayout, pool_mb: float | None, pool_fraction: float
     if pool_fraction is not None and not (math.isfinite(pool_fraction) and 0 < pool_fraction <= 1):
         raise PagedKVError(f"--pool-fraction {pool_fraction} must be in (0, 1].")
     budget = pool_mb * 2**20 if pool_mb is not None else pool_fraction * available_ram_bytes()
-    per_block = layout.bytes_per_token * layout.block_size
-    fixed = layout.stage_bytes_per_sequence * layout.max_seqs
-    blocks = min(layout.num_blocks, int((budget - fixed) // per_block))
-    if blocks < 2:
-        raise PagedKVError(
-            f"a pool budget of {budget / 2**20:.2f} MiB holds fewer than 2 blocks of {layout.block_size} tokens "
-            f"({per_block} B each, plus {fixed} B of fp16 tail/sink rows): raise it."
-        )
+    what = f"--pool-mb {pool_mb}" if pool_mb is not None else \
+        f"--pool-fraction {pool_fraction} ({budget / 2**20:.2f} MiB of available RAM)"
+    blocks = min(layout.num_blocks, budget_blocks(layout, budget, what))  # toolkit.pool_layout: the one formula
     return replace(layout, num_blocks=blocks)
 
 

@@ -175,3 +175,69 @@ def test_light_modules_do_not_import_torch(module):
     code = f"import sys, {module}; heavy = [m for m in ('torch', 'transformers', 'onnx') if m in sys.modules]; print(heavy)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]", f"importing {module} imports {out}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Pool size from a budget: one formula (toolkit.pool_layout), used by plan, export and run/chat
+
+
+@pytest.mark.parametrize("spec_name", sorted(PRESETS))
+def test_fixed_bytes_is_what_the_block_count_does_not_change(spec_name):
+    spec = PRESETS[spec_name]
+    for bs, seqs in ((16, 4), (32, 1)):
+        one = PoolLayout(spec, SMOL.num_layers, SMOL.num_kv_heads, SMOL.head_dim, bs, 1, seqs)
+        for nb in (1, 2, 7, 300):
+            lay = PoolLayout(spec, SMOL.num_layers, SMOL.num_kv_heads, SMOL.head_dim, bs, nb, seqs)
+            assert lay.fixed_bytes == one.fixed_bytes >= 0
+            assert lay.total_bytes == nb * bs * lay.bytes_per_token + lay.fixed_bytes
+
+
+@pytest.mark.parametrize("spec_name", ["fp32", "fp16", "default", "k4v4"])
+@pytest.mark.parametrize("budget", [3 * 2**20 + 5, 10**7, 0.3 * 2**20])
+def test_blocks_for_budget_is_the_most_whole_pool_that_fits(spec_name, budget):
+    from toolkit.pool_layout import blocks_for_budget
+
+    shape = PoolLayout(PRESETS[spec_name], 4, 2, 64, 16, 1, 2)
+    nb = blocks_for_budget(shape, budget)
+    if nb:
+        assert PoolLayout(PRESETS[spec_name], 4, 2, 64, 16, nb, 2).total_bytes <= budget
+    assert PoolLayout(PRESETS[spec_name], 4, 2, 64, 16, nb + 1, 2).total_bytes > budget
+    assert blocks_for_budget(PoolLayout(PRESETS[spec_name], 4, 2, 64, 16, 999, 2), budget) == nb  # shape only
+
+
+def test_export_and_runtime_budgets_use_the_one_formula():
+    from dataclasses import replace
+
+    from export.artifacts import PoolRequest
+    from runtime_sim.session import sized_layout
+    from toolkit.pool_layout import MIN_POOL_BLOCKS, blocks_for_budget
+
+    spec = PRESETS["default"]
+    shape = PoolLayout(spec, 4, 2, 64, 16, 1, 3)
+    for mb in (0.25, 1.0, 7.5):
+        nb = blocks_for_budget(shape, mb * 2**20)
+        assert PoolRequest(pool_mb=mb, max_seqs=3).num_blocks(spec, 4, 2, 64) == nb
+        exported = replace(shape, num_blocks=10**4)
+        assert sized_layout(exported, mb, None).num_blocks == nb  # capped at the export below
+        assert sized_layout(replace(shape, num_blocks=5), mb, None).num_blocks == min(5, nb)
+    # one minimum, one message naming the budget and the fix
+    tiny = (shape.fixed_bytes + MIN_POOL_BLOCKS * 16 * shape.bytes_per_token - 1) / 2**20
+    assert blocks_for_budget(shape, tiny * 2**20) == MIN_POOL_BLOCKS - 1
+    why = "is too small: it holds fewer than 2 blocks of 16 tokens.*raise it"
+    with pytest.raises(SpecError, match=rf"--pool-mb {tiny} \(with 3 sequences\) {why}"):
+        PoolRequest(pool_mb=tiny, max_seqs=3).num_blocks(spec, 4, 2, 64)
+    with pytest.raises(PagedKVError, match=rf"--pool-mb {tiny} {why}"):
+        sized_layout(replace(shape, num_blocks=100), tiny, None)
+    assert PoolRequest(pool_mb=tiny + 1 / 2**20, max_seqs=3).num_blocks(spec, 4, 2, 64) == MIN_POOL_BLOCKS
+
+
+def test_plan_says_a_budget_under_the_minimum_does_not_fit():
+    from toolkit.pool_layout import MIN_POOL_BLOCKS
+
+    spec = PRESETS["default"]
+    one_block = pool_fixed_bytes(spec, SMOL, 16, 4) + 16 * bytes_per_token(spec, 3, 64, 30)
+    row = plan(SMOL, one_block, ["default"])["specs"][0]
+    assert blocks_for_budget(spec, SMOL, one_block) == 1 < MIN_POOL_BLOCKS
+    assert row["num_blocks"] == 0 and not row["fits"]
+    row = plan(SMOL, one_block + 16 * bytes_per_token(spec, 3, 64, 30), ["default"])["specs"][0]
+    assert row["num_blocks"] == MIN_POOL_BLOCKS and row["fits"]

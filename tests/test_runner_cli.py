@@ -83,6 +83,42 @@ def test_cli_greedy_tokens_and_memory_breakdown(host_cli, fixtures):
     assert r["kv_bytes"] <= r["kv_pool_resident_bytes"]
 
 
+def test_cli_budget_blocks_equal_the_python_formula(host_cli, fixtures):
+    """runner.cpp's budget_blocks is the twin of toolkit.pool_layout.blocks_for_budget: for the same
+    manifest and budget the runner reports the same usable blocks (capped at the exported pool)."""
+    from toolkit.pool_layout import MIN_POOL_BLOCKS, PoolLayout, blocks_for_budget
+
+    out, _ = fixtures
+    layout = PoolLayout.from_dict(json.loads((out / "artifacts" / "pagedkv.json").read_text())["pool"])
+    # the fixture's pool: 32 blocks of 32 KiB + 32 KiB of non-block bytes, so 1 MiB holds 30 blocks (a budget
+    # that ignored the non-block bytes would say 32) and 2 MiB holds them all
+    seen = set()
+    for mb in (1, 2):
+        p = cli(host_cli, fixtures, "--json", "--budget-mb", str(mb))
+        assert p.returncode == 0, p.stderr[-3000:]
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+        want = min(layout.num_blocks, blocks_for_budget(layout, mb << 20))
+        assert want >= MIN_POOL_BLOCKS
+        assert r["usable_blocks"] == want and r["pool_blocks"] == layout.num_blocks, (mb, r["usable_blocks"], want)
+        assert r["pool_fixed_bytes"] == layout.fixed_bytes
+        seen.add(r["usable_blocks"] < layout.num_blocks)
+    assert seen == {True, False}  # one budget below the exported pool, one above it
+
+
+def test_cli_manifest_pool_sizes_that_do_not_add_up(host_cli, fixtures, tmp_path):
+    out, _ = fixtures
+    art = tmp_path / "artifacts"
+    shutil.copytree(out / "artifacts", art)
+    man = json.loads((art / "pagedkv.json").read_text())
+    man["pool"]["total_bytes"] = man["pool"]["num_blocks"] * man["pool"]["block_size"] * man["pool"]["bytes_per_token"] - 1
+    (art / "pagedkv.json").write_text(json.dumps(man))
+    p = subprocess.run([str(host_cli), str(art), "--prompt-file", str(out / "prompt.txt"), "--ctx", "4", "--decode", "2",
+                        "--budget-mb", "1"], capture_output=True, text=True, timeout=600)
+    err = [ln for ln in p.stderr.splitlines() if ln.startswith("pagedkv-runner:")]
+    assert p.returncode == 2 and len(err) == 1 and "pool sizes do not add up" in err[0] and "pagedkv export" in err[0], \
+        p.stderr
+
+
 def test_cli_text_report(host_cli, fixtures):
     p = cli(host_cli, fixtures)
     assert p.returncode == 0, p.stderr[-3000:]

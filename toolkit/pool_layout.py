@@ -28,6 +28,11 @@ ELEMENT_BYTES = {"uint8": 1, "float16": 2, "float32": 4}
 
 VALID_BLOCK_SIZES = (16, 32)  # the one list (the native runner checks the same two)
 
+# The fewest blocks a pool sized from a byte budget may have (export --pool-mb, run/chat --pool-mb /
+# --pool-fraction, the Android runner's budget): the ONNX graph's block dimension is exported with min=2
+# (torch.export specializes a size of 1), so a runtime pool of 1 block could not be fed to it.
+MIN_POOL_BLOCKS = 2
+
 # Pool tensors start on a cache line: numpy's large allocations start 16 bytes past one, and then every
 # 64-byte row load of a record straddles two lines (the core bench's 16K step with BENCH_POOL_OFFSET=16
 # measured ~1-3% slower than with 0).
@@ -116,6 +121,12 @@ class PoolLayout:
         return bytes_per_token(self.spec, self.num_kv_heads, self.head_dim, self.num_layers)
 
     @property
+    def fixed_bytes(self) -> int:
+        """Bytes of the pool that do not depend on its block count, all layers: the stage rows and the
+        float specs' scales placeholder. total_bytes == num_blocks * block_size * bytes_per_token + this."""
+        return self.total_bytes - self.num_blocks * self.block_size * self.bytes_per_token
+
+    @property
     def stage_bytes_per_sequence(self) -> int:
         return fp_stage_bytes_per_sequence(self.spec, self.block_size, self.num_kv_heads, self.head_dim, self.num_layers)
 
@@ -156,3 +167,33 @@ class PoolLayout:
     def from_dict(d: dict) -> "PoolLayout":
         keys = ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "max_seqs")
         return PoolLayout(spec=KVQuantSpec(**d["spec"]), **{k: d[k] for k in keys})
+
+
+# ----------------------------------------------------------------------------------------------
+# Pool size from a byte budget: the one formula (the Android runner's Runner::Impl computes its twin in
+# C++ from the manifest's pool fields: android_demo/native/src/runner.cpp, budget_blocks)
+
+
+def blocks_for_budget(layout: PoolLayout, budget_bytes: float) -> int:
+    """The most blocks whose whole pool (PoolLayout.total_bytes with that block count) fits in budget_bytes;
+    0 if none. Only the layout's shape counts, not its own num_blocks."""
+    free = budget_bytes - layout.fixed_bytes
+    return max(0, int(free // (layout.bytes_per_token * layout.block_size)))
+
+
+def budget_too_small(layout: PoolLayout, what: str) -> str:
+    """The one-line error for a budget that holds fewer than MIN_POOL_BLOCKS blocks; `what` names the
+    budget as the user gave it (e.g. "--pool-mb 0.01")."""
+    per_block = layout.block_size * layout.bytes_per_token
+    need = layout.fixed_bytes + MIN_POOL_BLOCKS * per_block
+    return (f"{what} is too small: it holds fewer than {MIN_POOL_BLOCKS} blocks of {layout.block_size} tokens; the "
+            f"smallest pool needs {need} bytes ({need / 2**20:.3f} MiB: {per_block} B per block + "
+            f"{layout.fixed_bytes} B that do not depend on the block count): raise it.")
+
+
+def budget_blocks(layout: PoolLayout, budget_bytes: float, what: str) -> int:
+    """blocks_for_budget, at least MIN_POOL_BLOCKS (else SpecError with budget_too_small's message)."""
+    blocks = blocks_for_budget(layout, budget_bytes)
+    if blocks < MIN_POOL_BLOCKS:
+        raise SpecError(budget_too_small(layout, what))
+    return blocks

@@ -78,6 +78,7 @@ struct Runner::Impl {
   int num_layers = 0, kv_heads = 0, head_dim = 0, block_size = 0, num_blocks = 0, max_seqs = 0;
   int layers_per_arena = 1, max_tokens_per_call = 0, max_blocks_per_seq = 0, vocab_size = 0;
   int64_t bytes_per_token = 0, stage_bytes_per_seq = 0, codes_bytes_per_layer = 0;
+  int64_t pool_fixed_bytes = 0;  // pool bytes that do not depend on the block count (stage rows, placeholders)
   // memory
   std::vector<std::unique_ptr<Arena>> arenas;  // index i = memory id i + 1 (0: activations)
   std::vector<et::Span<uint8_t>> spans;
@@ -114,6 +115,25 @@ struct Runner::Impl {
     return c;
   }
 
+  // The usable blocks a byte budget allows: the most blocks whose whole pool fits, at most the exported
+  // num_blocks, at least kMinPoolBlocks. The twin of toolkit.pool_layout.blocks_for_budget / budget_blocks
+  // (same formula from the manifest's pool fields, same minimum; tests/test_runner_cli.py compares them).
+  static constexpr int kMinPoolBlocks = 2;  // toolkit.pool_layout.MIN_POOL_BLOCKS
+  int budget_blocks(int64_t budget_bytes) const {
+    const int64_t per_block = bytes_per_token * block_size;
+    const int64_t room = budget_bytes - pool_fixed_bytes;
+    const int64_t fit = room < 0 ? 0 : room / per_block;
+    if (fit < kMinPoolBlocks)
+      throw RunnerError(ErrorCode::kArgument,
+                        "pool budget of " + std::to_string(budget_bytes) + " bytes is too small: it holds fewer than " +
+                            std::to_string(kMinPoolBlocks) + " blocks of " + std::to_string(block_size) +
+                            " tokens; the smallest pool needs " +
+                            std::to_string(pool_fixed_bytes + kMinPoolBlocks * per_block) + " bytes (" +
+                            std::to_string(per_block) + " per block + " + std::to_string(pool_fixed_bytes) +
+                            " that do not depend on the block count). Raise the budget.");
+    return static_cast<int>(std::min<int64_t>(fit, num_blocks));
+  }
+
   void refresh_stats() {
     PoolStats s;
     s.total_blocks = num_blocks;
@@ -123,6 +143,7 @@ struct Runner::Impl {
     s.block_size = block_size;
     s.sequences = static_cast<int>(pool->live_sequences().size());
     s.bytes_per_block = bytes_per_token * block_size;
+    s.pool_fixed_bytes = pool_fixed_bytes;
     s.kv_bytes_in_use = s.used_blocks * s.bytes_per_block + s.sequences * stage_bytes_per_seq;
     s.committed_bytes = committed_bytes();
     for (const auto& a : arenas) {
@@ -183,6 +204,15 @@ struct Runner::Impl {
       num_blocks = static_cast<int>(pool["num_blocks"].as_int());
       max_seqs = static_cast<int>(pool["max_seqs"].as_int());
       bytes_per_token = pool["bytes_per_token"].as_int();
+      // PoolLayout.fixed_bytes: total_bytes == num_blocks * block_size * bytes_per_token + fixed
+      pool_fixed_bytes = pool["total_bytes"].as_int() - static_cast<int64_t>(num_blocks) * block_size * bytes_per_token;
+      if (num_blocks < 1 || block_size < 1 || bytes_per_token < 1 || pool_fixed_bytes < 0)
+        throw RunnerError(ErrorCode::kArtifact,
+                          dir + "/pagedkv.json's pool sizes do not add up (num_blocks " + std::to_string(num_blocks) +
+                              ", block_size " + std::to_string(block_size) + ", bytes_per_token " +
+                              std::to_string(bytes_per_token) + ", total_bytes " +
+                              std::to_string(pool["total_bytes"].as_int()) +
+                              "; total_bytes must be at least their product): re-run `pagedkv export`.");
       const std::string dtype = pool["codes_dtype"].as_string();
       int64_t elem = dtype == "float32" ? 4 : dtype == "float16" ? 2 : 1;
       int64_t n = 1;
@@ -292,18 +322,7 @@ struct Runner::Impl {
                                                   "implies " + std::to_string(want) +
                                                   " (activations + one per pool group): re-export the artifacts.");
     // the budget decides how many blocks are usable (and committed)
-    const int64_t per_block = bytes_per_token * block_size;
-    int limit = num_blocks;
-    if (cfg.pool_budget_bytes > 0) {
-      int64_t fixed = static_cast<int64_t>(max_seqs) * stage_bytes_per_seq;
-      int64_t fit = (cfg.pool_budget_bytes - fixed) / per_block;
-      if (fit < 1)
-        throw RunnerError(ErrorCode::kArgument,
-                          "pool budget of " + std::to_string(cfg.pool_budget_bytes) + " bytes is too small: one block of " +
-                              std::to_string(block_size) + " tokens needs " + std::to_string(per_block + fixed) +
-                              " bytes. Raise the budget.");
-      limit = static_cast<int>(std::min<int64_t>(fit, num_blocks));
-    }
+    const int limit = cfg.pool_budget_bytes > 0 ? budget_blocks(cfg.pool_budget_bytes) : num_blocks;
     budget_limit = limit;
     pool = std::make_unique<BlockManager>(num_blocks, block_size, max_seqs, limit);
     for (size_t i = 0; i < nbuf; ++i) {

@@ -29,7 +29,8 @@ namespace pagedkv_rt {
 
 struct RunnerConfig {
   std::string artifacts_dir;
-  int64_t pool_budget_bytes = 0;  // bytes for KV blocks (all layers); 0 = every block the .pte holds
+  int64_t pool_budget_bytes = 0;  // bytes for the whole KV pool (blocks + PoolStats::pool_fixed_bytes), all
+                                  // layers; 0 = every block the .pte holds
   bool prefault = true;           // touch the committed pages at startup so the memory is really there
   int num_threads = 0;            // threads of ExecuTorch's threadpool, which runs the linears (XNNPACK)
                                   // and the attention kernel (0 = its default: one per core)
@@ -55,6 +56,7 @@ struct PoolStats {
   int sequences = 0;         // live conversations
   int64_t kv_bytes_in_use = 0;
   int64_t bytes_per_block = 0;   // all layers
+  int64_t pool_fixed_bytes = 0;  // pool bytes that do not depend on the block count (PoolLayout.fixed_bytes)
   int64_t committed_bytes = 0;   // arena bytes currently backed (after prefault / release)
   int64_t reserved_bytes = 0;    // arena bytes mapped (address space)
   int64_t largest_allocation_bytes = 0;

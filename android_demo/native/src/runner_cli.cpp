@@ -169,12 +169,13 @@ int main(int argc, char** argv) {
           "\"rss_bytes\": %lld, \"weights_file_resident_bytes\": %lld, \"kv_pool_resident_bytes\": %lld, "
           "\"kv_pool_reserved_bytes\": %lld, \"kv_bytes\": %lld, \"activations_resident_bytes\": %lld, "
           "\"activations_reserved_bytes\": %lld, \"libraries_resident_bytes\": %lld, \"rest_bytes\": %lld, "
-          "\"pool_blocks\": %d, \"usable_blocks\": %d, \"used_blocks\": %d, \"generated\": [",
+          "\"pool_blocks\": %d, \"usable_blocks\": %d, \"used_blocks\": %d, \"pool_fixed_bytes\": %lld, "
+          "\"generated\": [",
           (long long)ctx, out.size(), st.threads, st.isa.c_str(), load_s, ttft, st.prefill_tok_s, st.decode_tok_s,
           total_s, (long long)hwm, (long long)rss, (long long)weights_file, (long long)mu.pool_resident,
           (long long)mu.pool_reserved, (long long)st.kv_bytes_in_use, (long long)mu.activations_resident,
           (long long)mu.activations_reserved, (long long)libs, (long long)rest, st.total_blocks, st.usable_blocks,
-          st.used_blocks);
+          st.used_blocks, (long long)st.pool_fixed_bytes);
       for (size_t i = 0; i < out.size(); ++i) std::printf("%s%d", i ? ", " : "", out[i]);
       std::printf("]}\n");
     } else {

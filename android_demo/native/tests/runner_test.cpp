@@ -201,8 +201,8 @@ int main(int argc, char** argv) {
   });
 
   s.run("budget_sizes_pool_and_exhaustion_is_an_error", [] {
-    int64_t per_block = Runner(cfg()).stats().bytes_per_block;
-    Runner r(cfg(per_block * 3));  // room for 3 blocks = 48 tokens
+    const PoolStats full = Runner(cfg()).stats();
+    Runner r(cfg(full.pool_fixed_bytes + full.bytes_per_block * 3));  // room for 3 blocks = 48 tokens
     PoolStats st = r.stats();
     CHECK_EQ(st.usable_blocks, 3);
     CHECK(st.committed_bytes < st.reserved_bytes);
