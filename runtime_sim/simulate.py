@@ -27,6 +27,18 @@ The strategies, each on a fresh copy of the same RAM and the same trace:
 
 A failure drops the conversation it happened in (its memory is released, its later turns are
 skipped) and the trace goes on, so later failures are counted too.
+
+Pool-pressure strategies (`--ladder`; LADDER_STRATEGIES), the quantized pool of paged-quant under the
+engine's pool policies (runtime_sim/engine.py) instead of failing when it is full:
+* paged-quant-evict: policy `evict`: the least recently used idle chat loses its blocks; its next turn
+  prefills its tokens again. Each eviction is a loss (the cache is gone).
+* paged-quant-ladder: policy `adaptive` without the compact tier: first the least recently used idle
+  chat is spilled to flash (its present blocks and stage rows, as a conversation file; up to
+  `flash_bytes`, default unlimited) and restored without prefill on its next turn, making room by
+  spilling others; last, the active chat slides (its oldest block after the sink is dropped: a loss).
+A chat that is spilled still holds its tokens (tokens_held counts them); an evicted one does not.
+`tokens_before_loss` is the tokens held at the first loss or failure. Only memory is modelled: the
+time to write and read spill files is not.
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ from toolkit.kv_spec import bytes_per_token, fp16_bytes_per_token, parse_spec
 
 PAGE = 4096
 STRATEGIES = ("contiguous-fp16", "paged-fp16", "paged-quant")
+LADDER_STRATEGIES = ("paged-quant-evict", "paged-quant-ladder")  # pool pressure handled, not failed
 MAX_HOLES = 128  # holes at fragmentation 1.0
 
 
@@ -231,6 +244,7 @@ class SimConfig:
     p_new: float = 0.12  # chance a step opens a new chat (when fewer than `chats` are alive)
     p_clear: float = 0.01  # chance a step clears a chat
     model: str | None = None  # model for the dims (default SmolLM2-135M)
+    flash_bytes: int | None = None  # paged-quant-ladder: flash for spill files (None = unlimited)
 
     def free_bytes(self) -> int:
         f = float(self.free)
@@ -301,6 +315,7 @@ class _Strategy:
     def __init__(self, ram: AddressSpace, dims: ModelDims, cfg: SimConfig):
         self.ram, self.dims, self.cfg = ram, dims, cfg
         self.lengths: dict[int, int] = {}  # live conversation -> tokens held
+        self.losses: list[dict] = []  # {"kind", "tokens_held"}: cache lost without a failure (run_strategy adds "event")
 
     def startup(self) -> str | None:
         """Allocate what must exist before the first chat; a message if that failed."""
@@ -317,6 +332,10 @@ class _Strategy:
 
     def tokens_held(self) -> int:
         return sum(self.lengths.values())
+
+    def resident_tokens(self) -> int:
+        """Tokens whose K/V is in RAM (tokens_held less what a strategy keeps on flash)."""
+        return self.tokens_held()
 
     def bytes_in_use(self) -> int:
         raise NotImplementedError
@@ -465,6 +484,122 @@ class Paged(_Strategy):
         }
 
 
+class PagedPressure(Paged):
+    """paged-quant's pool under a pool policy (module docstring): 'evict' or 'ladder' (spill, then slide)."""
+
+    def __init__(self, ram, dims, cfg, name: str, mode: str):
+        super().__init__(ram, dims, cfg, name, cfg.quant_spec)
+        self.mode = mode
+        self.clock = 0
+        self.last_used: dict[int, int] = {}
+        self.spilled: dict[int, tuple[int, set[int], int]] = {}  # conv -> (tokens, dropped blocks, file bytes)
+        self.evicted: dict[int, int] = {}  # conv -> tokens to prefill again on its next turn
+        self.flash_used = self.peak_flash = 0
+        self.counts = {"evictions": 0, "reprefilled_tokens": 0, "spills": 0, "spill_failures": 0,
+                       "restores": 0, "slides": 0}
+
+    def _spill_bytes(self, seq: int) -> int:
+        present = sum(1 for b in self.pool.block_table(seq) if b >= 0)
+        return present * self.block_bytes + self.layout.stage_bytes_per_sequence
+
+    def _relieve(self, active: int) -> bool:
+        """One rung of the policy; False when nothing more can be freed."""
+        idle = [c for c, seq in self.seqs.items() if c != active and self.pool.length(seq) > 0]
+        victim = min(idle, key=lambda c: self.last_used.get(c, 0)) if idle else None
+        if self.mode == "evict":
+            if victim is None:
+                return False
+            self.losses.append({"kind": "evict", "tokens_held": self.tokens_held()})
+            self.evicted[victim] = self.pool.length(self.seqs[victim])
+            self.pool.release(self.seqs[victim])
+            self.seqs[victim] = self.pool.new_sequence()
+            self.counts["evictions"] += 1
+            return True
+        if victim is not None:
+            seq = self.seqs[victim]
+            size = self._spill_bytes(seq)
+            if self.cfg.flash_bytes is None or self.flash_used + size <= self.cfg.flash_bytes:
+                table = self.pool.block_table(seq)
+                self.spilled[victim] = (self.pool.length(seq), {i for i, b in enumerate(table) if b < 0}, size)
+                self.flash_used += size
+                self.peak_flash = max(self.peak_flash, self.flash_used)
+                self.pool.release(seq)
+                del self.seqs[victim]
+                self.counts["spills"] += 1
+                return True
+            self.counts["spill_failures"] += 1  # flash full: the next rung
+        seq, bs = self.seqs[active], self.cfg.block_size
+        table = self.pool.block_table(seq)
+        live = [i for i in range(1, self.pool.length(seq) // bs) if table[i] >= 0]  # block 0 is the sink
+        if not live:
+            return False
+        self.losses.append({"kind": "slide", "tokens_held": self.tokens_held()})
+        self.pool.drop_blocks(seq, [live[0]])
+        self.counts["slides"] += 1
+        return True
+
+    def _admit_room(self, conv: int, n: int) -> None:
+        while True:
+            try:
+                return self._admit(self.seqs[conv], n)
+            except PoolExhausted:
+                if not self._relieve(conv):
+                    raise
+
+    def _restore(self, conv: int) -> None:
+        """Map a spilled chat back block by block (its holes dropped as they pass), spilling others."""
+        n, holes, size = self.spilled.pop(conv)
+        self.flash_used -= size  # read back and deleted (if the restore fails, the chat is dropped)
+        self.seqs[conv] = seq = self.pool.new_sequence()
+        bs = self.cfg.block_size
+        for i in range(-(-n // bs)):
+            self._admit_room(conv, min(bs, n - i * bs))
+            if i in holes:
+                self.pool.drop_blocks(seq, [i])
+        self.counts["restores"] += 1
+
+    def grow(self, conv, user, assistant):
+        self.clock += 1
+        self.last_used[conv] = self.clock
+        bs = self.cfg.block_size
+        try:
+            if conv in self.spilled:
+                self._restore(conv)
+            if self.evicted.get(conv):
+                n = self.evicted.pop(conv)
+                self._admit_room(conv, n)
+                self.counts["reprefilled_tokens"] += n
+            self._admit_room(conv, user)
+            left = assistant
+            while left:
+                k = min(left, bs - self.pool.length(self.seqs[conv]) % bs)
+                self._admit_room(conv, k)
+                left -= k
+        except PoolExhausted:
+            return False
+        self.lengths[conv] = self.pool.length(self.seqs[conv])
+        return True
+
+    def close(self, conv):
+        if conv in self.spilled:
+            self.flash_used -= self.spilled.pop(conv)[2]
+        else:
+            self.pool.release(self.seqs.pop(conv))
+        self.evicted.pop(conv, None)
+        self.lengths.pop(conv, None)
+
+    def tokens_held(self):
+        return super().tokens_held() + sum(n for n, _, _ in self.spilled.values())
+
+    def resident_tokens(self):
+        return super().tokens_held()
+
+    def info(self):
+        return {**super().info(), "policy": {"paged-quant-evict": "evict", "paged-quant-ladder": "adaptive"}[self.name],
+                "pressure": dict(self.counts), "peak_flash_bytes": self.peak_flash,
+                "flash_bytes": self.cfg.flash_bytes}
+
+
 # ----------------------------------------------------------------------------------------------
 # Running
 
@@ -476,7 +611,11 @@ def _make_strategy(name: str, ram: AddressSpace, dims: ModelDims, cfg: SimConfig
         return Paged(ram, dims, cfg, name, "fp16")
     if name == "paged-quant":
         return Paged(ram, dims, cfg, name, cfg.quant_spec)
-    raise SpecError(f"unknown strategy '{name}': choose from {', '.join(STRATEGIES)}.")
+    if name == "paged-quant-evict":
+        return PagedPressure(ram, dims, cfg, name, "evict")
+    if name == "paged-quant-ladder":
+        return PagedPressure(ram, dims, cfg, name, "ladder")
+    raise SpecError(f"unknown strategy '{name}': choose from {', '.join(STRATEGIES + LADDER_STRATEGIES)}.")
 
 
 def run_strategy(name: str, events: list[Event], dims: ModelDims, cfg: SimConfig) -> dict:
@@ -492,9 +631,9 @@ def run_strategy(name: str, events: list[Event], dims: ModelDims, cfg: SimConfig
 
     def record(i: int) -> None:
         nonlocal util_sum, util_n, alloc_util_sum, alloc_util_n
-        tokens = s.tokens_held()
+        tokens = s.resident_tokens()
         series["event"].append(i)
-        series["tokens"].append(tokens)
+        series["tokens"].append(s.tokens_held())
         series["bytes_in_use"].append(s.bytes_in_use())
         series["bytes_allocated"].append(s.bytes_allocated())
         series["largest_hole"].append(ram.largest_hole)
@@ -518,6 +657,7 @@ def run_strategy(name: str, events: list[Event], dims: ModelDims, cfg: SimConfig
         record(0)
     else:
         for i, ev in enumerate(events):
+            seen = len(s.losses)
             if ev.kind == "new":
                 if not s.open(ev.conv):
                     fail(i, "alloc", ev.conv, f"no free hole of {format_bytes(s.buffer_bytes)} "
@@ -546,8 +686,14 @@ def run_strategy(name: str, events: list[Event], dims: ModelDims, cfg: SimConfig
                     dynamic_apps.append(a)
             elif ev.kind == "app_free" and dynamic_apps:
                 ram.free(dynamic_apps.pop(int(ev.pick * len(dynamic_apps))))
+            for loss in s.losses[seen:]:
+                loss["event"] = i
             record(i)
     peak_alloc = max(series["bytes_allocated"])
+    # the first event where anything was lost: a loss (eviction, slide) or a failure; a loss comes first
+    # within its event (it happens before the failure it could not prevent)
+    lost = sorted([(x["event"], 0, x["tokens_held"]) for x in s.losses] +
+                  [(f["event"], 1, f["tokens_held"]) for f in failures])
     out = {
         "name": name,
         "tokens_before_failure": failures[0]["tokens_held"] if failures else processed,
@@ -555,6 +701,12 @@ def run_strategy(name: str, events: list[Event], dims: ModelDims, cfg: SimConfig
         "utilization": util_sum / util_n if util_n else 0.0,
         "failures": len(failures),
         "first_failure_event": failures[0]["event"] if failures else None,
+        "tokens_before_loss": lost[0][2] if lost else processed,
+        # the most tokens held at once (in RAM, or spilled to flash) before the first loss
+        "peak_tokens_before_loss": max([t for e, t in zip(series["event"], series["tokens"])
+                                        if not lost or e < lost[0][0]] + [lost[0][2] if lost else 0]),
+        "first_loss_event": lost[0][0] if lost else None,
+        "losses": len(s.losses),
         "startup_failed": bool(startup_error),
         "allocated_utilization": alloc_util_sum / alloc_util_n if alloc_util_n else 0.0,
         "peak_bytes_in_use": max(series["bytes_in_use"]),
@@ -575,7 +727,7 @@ def run_strategy(name: str, events: list[Event], dims: ModelDims, cfg: SimConfig
 
 
 def simulate(cfg: SimConfig | None = None, strategies=STRATEGIES) -> dict:
-    """Run every strategy on the same trace and RAM. Returns {"params", "strategies": [...]}."""
+    """strategies: names from STRATEGIES and LADDER_STRATEGIES (`pagedkv simulate --ladder`: all)."""
     cfg = (cfg or SimConfig()).validate()
     dims = as_dims(cfg.model)
     events = make_trace(cfg)
@@ -614,7 +766,8 @@ def to_json(result: dict, with_series: bool = True) -> dict:
 # Output
 
 
-COLORS = {"contiguous-fp16": "tab:red", "paged-fp16": "tab:orange", "paged-quant": "tab:green"}
+COLORS = {"contiguous-fp16": "tab:red", "paged-fp16": "tab:orange", "paged-quant": "tab:green",
+          "paged-quant-evict": "tab:purple", "paged-quant-ladder": "tab:blue"}
 
 
 def plot(result: dict, path) -> None:
@@ -668,16 +821,17 @@ def rich_table(result: dict):
         f"{p['initial_holes']} holes (largest {format_bytes(p['initial_largest_hole'])}), paged budget "
         f"{format_bytes(p['pool_bytes'])}, {p['turns']} turns / {p['conversations']} chats, seed {p['seed']}"
     )
-    for col in ("strategy", "tokens before failure", "peak KV bytes", "largest alloc", "utilization",
-                "failures", "first failure", "turns served", "tokens processed"):
+    for col in ("strategy", "tokens before failure", "peak tokens before loss", "peak KV bytes", "largest alloc",
+                "utilization", "failures", "first failure", "pool pressure", "turns served", "tokens processed"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     for r in result["strategies"]:
         first = "startup" if r["startup_failed"] else (
             "-" if r["first_failure_event"] is None else f"event {r['first_failure_event']}")
+        pressure = ", ".join(f"{k} {v}" for k, v in r["pressure"].items() if v) or "-" if "pressure" in r else "-"
         table.add_row(
-            r["name"], f"{r['tokens_before_failure']:,}", format_bytes(r["peak_bytes"]),
+            r["name"], f"{r['tokens_before_failure']:,}", f"{r['peak_tokens_before_loss']:,}", format_bytes(r["peak_bytes"]),
             format_bytes(r["largest_allocation_bytes"]), f"{r['utilization']:.3f}", str(r["failures"]), first,
-            f"{r['turns_served']}", f"{r['tokens_processed']:,}",
+            pressure, f"{r['turns_served']}", f"{r['tokens_processed']:,}",
         )
     return table
 
@@ -694,6 +848,6 @@ def parse_free(text: str | float) -> float:
 
 
 __all__ = [
-    "AddressSpace", "Event", "SimConfig", "STRATEGIES", "make_ram", "make_trace", "parse_free", "plot",
+    "AddressSpace", "Event", "LADDER_STRATEGIES", "SimConfig", "STRATEGIES", "make_ram", "make_trace", "parse_free", "plot",
     "rich_table", "run_strategy", "simulate", "to_json",
 ]
