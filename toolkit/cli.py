@@ -474,6 +474,8 @@ def simulate_cmd(
     plot: Path = typer.Option(Path("simulate.png"), "--plot", help="PNG of KV memory and tokens over the trace."),
     no_plot: bool = typer.Option(False, "--no-plot", help="Do not write the plot."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object {params, strategies} on stdout."),
+    ladder: bool = typer.Option(False, "--ladder", help="Also run the quantized pool under pool pressure: "
+                                "paged-quant-evict (policy evict) and paged-quant-ladder (adaptive: spill, then slide)."),
 ):
     """Phone-memory simulation: contiguous fp16 vs paged fp16 vs paged quantized KV on one chat trace and
     fragmented RAM."""
@@ -489,14 +491,16 @@ def simulate_cmd(
     import json
 
     from runtime_sim.plan import parse_size
-    from runtime_sim.simulate import SimConfig, parse_free, plot as write_plot, rich_table, simulate, to_json
+    from runtime_sim.simulate import (
+        LADDER_STRATEGIES, STRATEGIES, SimConfig, parse_free, plot as write_plot, rich_table, simulate, to_json,
+    )
 
     cfg = SimConfig(
         ram_bytes=parse_size(ram), free=parse_free(free), fragmentation=fragmentation, seed=seed, turns=turns,
         chats=chats, ctx=ctx, pool_bytes=None if pool_mb is None else int(pool_mb * 2**20), quant_spec=spec,
         block_size=block_size, app_churn=app_churn, model=model,
     )
-    result = simulate(cfg)
+    result = simulate(cfg, STRATEGIES + LADDER_STRATEGIES if ladder else STRATEGIES)
     if not no_plot:
         write_plot(result, plot)
         console.print(f"[dim]wrote {plot}[/]")
