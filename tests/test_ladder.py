@@ -1,0 +1,307 @@
+"""The engine's 'adaptive' pool policy (issue #25's pressure ladder, without the compact tier): idle
+conversations spilled to flash (conversation files) and mapped back without prefill, then sliding.
+
+A conversation that was spilled and restored must give the same logits bit for bit as the same
+conversation in an engine that never spilled (same backend, same calls for that conversation).
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from runtime_sim.backends import TorchBackend
+from runtime_sim.engine import SPILLED, Engine
+from toolkit.compiler import compile
+from toolkit.tiny_models import tiny_model
+
+PROMPT = list(range(3, 43))  # 40 tokens: 2 full blocks and a partial one
+
+
+def torch_engine(num_blocks, policy="adaptive", max_seqs=3, spec="default", **kw):
+    paged = compile(tiny_model("llama"), spec, num_blocks=num_blocks, max_seqs=max_seqs)
+    return Engine(TorchBackend(paged), prefill_chunk=16, policy=policy, **kw)
+
+
+def step_both(a, ca, r, cr, tokens):
+    """The same tokens into a's conversation and the reference's; their logits must be equal bit for bit."""
+    for t in tokens:
+        la, lr = a.step({ca: [t]})[ca], r.step({cr: [t]})[cr]
+        assert np.array_equal(la, lr)
+
+
+def table(e, cid):
+    return e.pool.block_table(e.conversations[cid].seq)
+
+
+# ------------------------------------------------------------------------ spill and restore, torch
+
+
+@pytest.mark.parametrize("spec", ["default", "fp32"])
+def test_spilled_conversation_resumes_bit_for_bit_without_prefill(tmp_path, spec):
+    a = torch_engine(6, spec=spec, spill_dir=tmp_path)  # 96 tokens: two chats of 40+ do not fit
+    r = torch_engine(32, "error", spec=spec)  # the reference never runs short
+    ca, cb = a.new_conversation(), a.new_conversation()
+    ra, rb = r.new_conversation(), r.new_conversation()
+    assert np.array_equal(a.prefill(ca, PROMPT), r.prefill(ra, PROMPT))
+    second = PROMPT[::-1] + [60, 61, 62, 63, 64, 65, 66, 67, 68]  # 49 tokens: in a, cb spills ca
+    assert np.array_equal(a.prefill(cb, second), r.prefill(rb, second))
+    assert a.spilled() == [ca] and a.conversations[ca].seq == SPILLED
+    assert len(list(tmp_path.iterdir())) == 1
+    a.check_invariants()
+    prefilled = a.counters.prefill_tokens
+    step_both(a, ca, r, ra, [5, 6, 7, 8])  # ca is mapped back (cb spilled for it), then continues
+    assert a.spilled() == [cb]
+    step_both(a, cb, r, rb, [9, 10])  # and cb comes back in turn
+    s = a.stats()["ladder"]
+    assert (s["spills"], s["restores_from_spill"], s["slides"], s["spill_reprefills"]) == (3, 2, 0, 0)
+    assert s["spill_bytes"] > 0 and a.counters.prefill_tokens == prefilled  # no re-prefill
+    assert [p.name for p in tmp_path.iterdir()] == [a.conversations[ca].spill.name]  # restored files deleted
+    a.check_invariants()
+    a.close(ca)  # a spilled conversation's file goes with it
+    assert list(tmp_path.iterdir()) == []
+    a.check_invariants()
+
+
+def test_shared_blocks_stay_for_the_fork_when_its_parent_spills(tmp_path):
+    a, r = torch_engine(9, spill_dir=tmp_path), torch_engine(32, "error")
+    ids = {}
+    for e in (a, r):
+        base = e.new_conversation()
+        e.prefill(base, list(range(3, 52)))  # 49 tokens: 3 full blocks + 1
+        kid = e.fork(base)
+        e.prefill(kid, [70, 71])  # copy-on-write of the partial block: 3 shared + 1 each
+        ids[e] = (base, kid)
+    (ab, ak), (rb, rk) = ids[a], ids[r]
+    assert a.stats()["used_blocks"] == 5 and a.stats()["shared_blocks"] == 3
+    shared = table(a, ak)[:3]
+    step_both(a, ak, r, rk, [4])  # kid used last: base is the least recently used
+    other = a.new_conversation()
+    a.prefill(other, list(range(100, 164)))  # 4 full blocks, 4 free; the step below needs a 5th
+    a.step({other: [5]})
+    c = r.new_conversation()
+    r.prefill(c, list(range(100, 164)))
+    r.step({c: [5]})
+    assert a.spilled() == [ab], "base spilled first (LRU), freeing only its own partial block"
+    assert table(a, ak)[:3] == shared, "the blocks it shared with the fork stay"
+    a.check_invariants()
+    step_both(a, ak, r, rk, [6, 7])
+    step_both(a, ab, r, rb, [8, 9])  # base mapped back (others spilled to make room)
+    step_both(a, ak, r, rk, [10])
+    a.check_invariants()
+    s = a.stats()["ladder"]
+    assert s["restores_from_spill"] >= 1 and s["slides"] == 0 and s["spill_reprefills"] == 0
+
+
+def test_spill_write_failure_falls_through_to_slide_with_nothing_lost(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the spill directory should be")
+    a = torch_engine(4, max_seqs=2, spill_dir=blocker / "spill")  # mkdir fails: NotADirectoryError
+    r = torch_engine(16, "error", max_seqs=2)
+    ca, ra = a.new_conversation(), r.new_conversation()
+    a.prefill(ca, PROMPT[:30])
+    r.prefill(ra, PROMPT[:30])
+    before = table(a, ca)
+    cb = a.new_conversation()
+    a.prefill(cb, list(range(100, 148)))  # 3 blocks, 2 free: spill fails, cb slides its own blocks
+    s = a.stats()["ladder"]
+    assert s["spill_failures"] >= 1 and s["spills"] == 0 and s["slides"] >= 1
+    assert table(a, ca) == before and a.spilled() == []
+    a.check_invariants()
+    step_both(a, ca, r, ra, [5, 6])  # ca lost nothing
+
+
+def test_sequence_slots_spill_lru_and_clear_and_lost_file(tmp_path):
+    a = torch_engine(16, max_seqs=2, spill_dir=tmp_path)
+    c0, c1 = a.new_conversation(), a.new_conversation()
+    a.prefill(c0, PROMPT)
+    a.prefill(c1, [4, 5, 6])
+    c2 = a.new_conversation()  # both slots held: c0 (least recently used) is spilled for a slot
+    assert a.spilled() == [c0] and a.stats()["ladder"]["spills"] == 1
+    a.prefill(c2, [7, 8])
+    a.clear(c0)  # a spilled conversation cleared: its file is deleted, it starts empty in a slot
+    assert a.conversations[c0].history == [] and a.conversations[c0].spill is None
+    assert a.spilled() == [c1] and len(list(tmp_path.iterdir())) == 1
+    a.check_invariants()
+    a.conversations[c1].spill.unlink()  # the file vanished behind the engine's back
+    a.prefill(c1, [9])  # its tokens are still known: prefilled again
+    assert a.conversations[c1].history == [4, 5, 6, 9] and a.stats()["ladder"]["spill_reprefills"] == 1
+    a.check_invariants()
+
+
+def test_policy_is_known_to_the_cli_and_session():
+    from runtime_sim.engine import POLICIES
+    from toolkit.cli import check_runtime_options
+
+    assert "adaptive" in POLICIES
+    check_runtime_options(None, None, 0, "adaptive", "torch")  # no exit
+
+
+# ------------------------------------------------------------------- exported model: ORT and ET
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, wikitext):
+    from export.artifacts import PoolRequest, export_artifacts
+
+    from toolkit.tiny_models import tiny_bpe_tokenizer
+
+    lines = [ln for ln in wikitext.read_text(encoding="utf-8").splitlines() if ln.strip()][:2000]
+    out = tmp_path_factory.mktemp("exported") / "tiny"
+    export_artifacts("tiny-llama", out, ("onnx", "pte"), "default", PoolRequest(pool_tokens=256, max_seqs=2),
+                     max_tokens_per_call=32, model_and_tokenizer=(tiny_model("llama"), tiny_bpe_tokenizer(lines)))
+    return out
+
+
+@pytest.mark.parametrize("backend,native", [("onnxruntime", True), ("onnxruntime", False), ("executorch", None)],
+                         ids=["ort-native", "ort-fallback", "executorch"])
+def test_exported_spill_resumes_bit_for_bit(exported, tmp_path, backend, native):
+    """A 256-token pool: a 200-token chat spills the 100-token one; it comes back with the logits of the
+    same engine run without the other chat."""
+    from runtime_sim.session import open_artifacts
+
+    a = open_artifacts(exported, backend, native=native, prefill_chunk=16, policy="adaptive")
+    a.spill_dir = tmp_path
+    r = open_artifacts(exported, backend, native=native, prefill_chunk=16)
+    ca, ra = a.new_conversation(), r.new_conversation()
+    first = list(range(3, 103))
+    assert np.array_equal(a.prefill(ca, first), r.prefill(ra, first))
+    cb = a.new_conversation()
+    a.prefill(cb, list(range(200, 400)))
+    assert a.spilled() == [ca]
+    step_both(a, ca, r, ra, [5, 6, 7])
+    assert a.spilled() == [cb] and a.stats()["ladder"]["restores_from_spill"] == 1
+    assert a.counters.prefill_tokens == 300
+    a.check_invariants()
+
+
+# -------------------------------------------------------------- stateful: the ladder's invariants
+
+
+_BACKEND = {}
+
+
+def _shared_backend():
+    """One compiled tiny model for every example (a fresh Engine each time; its pool is all free)."""
+    if "be" not in _BACKEND:
+        _BACKEND["be"] = TorchBackend(compile(tiny_model("llama"), "default", num_blocks=6, max_seqs=3))
+    return _BACKEND["be"]
+
+
+class LadderMachine(RuleBasedStateMachine):
+    """Many conversations with random turns, forks, clears and closes in a 6-block pool (96 tokens)
+    with 3 slots under 'adaptive'. After every step: the pool's invariants, every conversation
+    resident or spilled (its file on disk), its token history intact, and a block held by two
+    conversations only where they share the same tokens at the same place (a fork or prefix)."""
+
+    def __init__(self):
+        super().__init__()
+        import tempfile
+
+        self.dir = tempfile.TemporaryDirectory(prefix="ladder-test-")
+        self.e = Engine(_shared_backend(), prefill_chunk=16, policy="adaptive", spill_dir=self.dir.name)
+        self.want: dict[int, list[int]] = {}  # conversation -> every token it was given, in order
+
+    taken: dict[str, int] = {}  # the rungs taken over all examples (the test requires each one)
+
+    def teardown(self):
+        for k in ("spills", "restores_from_spill", "slides"):
+            self.taken[k] = self.taken.get(k, 0) + self.e.stats()["ladder"][k]
+        self.dir.cleanup()
+
+    @precondition(lambda self: len(self.want) < 5)
+    @rule()
+    def new(self):
+        self.want[self.e.new_conversation()] = []
+
+    @precondition(lambda self: self.want)
+    @rule(data=st.data(), n=st.integers(1, 40), decode=st.integers(0, 3))
+    def turn(self, data, n, decode):
+        cid = data.draw(st.sampled_from(sorted(self.want)))
+        prompt = data.draw(st.lists(st.integers(3, 120), min_size=n, max_size=n))
+        logits = self.e.prefill(cid, prompt)
+        self.want[cid] += prompt
+        for _ in range(decode):
+            tok = int(np.argmax(logits))
+            logits = self.e.step({cid: [tok]})[cid]
+            self.want[cid].append(tok)
+
+    @precondition(lambda self: self.want and len(self.want) < 5)
+    @rule(data=st.data())
+    def fork(self, data):
+        cid = data.draw(st.sampled_from(sorted(self.want)))
+        self.want[self.e.fork(cid)] = list(self.want[cid])
+
+    @precondition(lambda self: self.want)
+    @rule(data=st.data(), close=st.booleans())
+    def clear_or_close(self, data, close):
+        cid = data.draw(st.sampled_from(sorted(self.want)))
+        if close:
+            self.e.close(cid)
+            del self.want[cid]
+        else:
+            self.e.clear(cid)
+            self.want[cid] = []
+
+    @invariant()
+    def pool_and_conversations(self):
+        e = self.e
+        e.check_invariants()  # free + used == total, refcounts == tables, resident xor spilled
+        assert sorted(e.conversations) == sorted(self.want)
+        for cid, c in e.conversations.items():
+            assert c.history + c.pending == self.want[cid], "a conversation's tokens were lost"
+        files = {p.name for p in Path(self.dir.name).iterdir()}
+        assert files == {e.conversations[cid].spill.name for cid in e.spilled()}
+        bs, holders = e.pool.block_size, {}
+        for cid, c in e.conversations.items():
+            if c.spill is None:
+                for i, b in enumerate(e.pool.block_table(c.seq)):
+                    if b >= 0:
+                        holders.setdefault(b, []).append((i, c.history[i * bs:(i + 1) * bs]))
+        for b, held in holders.items():
+            assert all(h == held[0] for h in held), f"block {b} is in two conversations with other content"
+
+
+def test_ladder_state_machine():
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run_state_machine_as_test(LadderMachine, settings=settings(
+        max_examples=8, stateful_step_count=20, deadline=None, derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow]))
+    assert all(LadderMachine.taken.get(k) for k in ("spills", "restores_from_spill", "slides")), LadderMachine.taken
+
+
+# ------------------------------------------------------------------ the ladder in `pagedkv simulate`
+
+
+def test_simulate_ladder_holds_more_than_evict_before_a_loss():
+    from runtime_sim.simulate import LADDER_STRATEGIES, SimConfig, simulate, to_json
+
+    cfg = SimConfig(turns=250, chats=12, seed=3)
+    res = simulate(cfg, ("paged-quant",) + LADDER_STRATEGIES)
+    for r in res["strategies"]:
+        r["_pool"].check_invariants()
+    quant, evict, ladder = to_json(res, with_series=False)["strategies"]
+    # the same pool and trace: evict loses its first cache exactly where paged-quant first fails
+    assert evict["pressure"]["evictions"] > 0 and evict["failures"] == 0
+    assert (evict["first_loss_event"], evict["tokens_before_loss"]) == \
+        (quant["first_failure_event"], quant["tokens_before_failure"])
+    # the ladder spilled instead: nothing lost, every turn served, more tokens held at once
+    p = ladder["pressure"]
+    assert p["spills"] > 0 and p["restores"] > 0 and p["slides"] == 0 and ladder["losses"] == 0
+    assert ladder["turns_served"] == cfg.turns and ladder["peak_flash_bytes"] > 0
+    assert ladder["peak_tokens_before_loss"] > evict["peak_tokens_before_loss"]
+
+
+def test_simulate_ladder_slides_when_flash_is_full():
+    from runtime_sim.simulate import SimConfig, simulate, to_json
+
+    cfg = SimConfig(turns=250, chats=12, seed=3, flash_bytes=20 * 2**20)
+    (ladder,) = to_json(simulate(cfg, ("paged-quant-ladder",)), with_series=False)["strategies"]
+    p = ladder["pressure"]
+    assert p["spill_failures"] > 0 and p["slides"] > 0 and ladder["losses"] == p["slides"]
+    assert ladder["peak_flash_bytes"] <= cfg.flash_bytes
+    assert ladder["first_loss_event"] is not None
