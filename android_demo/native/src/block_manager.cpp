@@ -241,6 +241,7 @@ std::vector<int> GroupedBlockManager::blocks_needed(int seq, int n_new_tokens, i
 
 void GroupedBlockManager::reserve(int seq, int n_new_tokens) {
   if (n_new_tokens < 0) throw RunnerError(ErrorCode::kArgument, "n_new_tokens must be >= 0");
+  if (pools_.size() == 1 && groups_[0].window == 0) return pools_[0].reserve(seq, n_new_tokens);  // as before groups
   const std::vector<int> need = blocks_needed(seq, n_new_tokens);
   for (size_t g = 0; g < pools_.size(); ++g)
     if (need[g] > pools_[g].num_free())
