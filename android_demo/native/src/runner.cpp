@@ -84,7 +84,13 @@ struct Runner::Impl {
   std::vector<et::Span<uint8_t>> spans;
   std::unique_ptr<et::HierarchicalAllocator> planned;
   std::unique_ptr<Module> module;
-  std::unique_ptr<BlockManager> pool;
+  // layer groups (the manifest's "groups" entry; without it one global group of every layer): one block
+  // table per group, passed as block_tables, block_tables_1, ... (the .pte's input order)
+  std::vector<LayerGroup> groups;
+  std::vector<int> layer_group;  // layer -> its group
+  bool grouped = false;          // the manifest has a groups entry (stats report each group)
+  std::vector<int> peak_used;    // per group: the most blocks in use at once
+  std::unique_ptr<GroupedBlockManager> pool;
   int budget_limit = 0;  // usable blocks the budget allows (grow never goes above)
   // conversations
   struct Conv {
@@ -103,12 +109,28 @@ struct Runner::Impl {
 
   int64_t block_bytes_layer() const { return codes_bytes_per_layer / num_blocks; }
   bool per_layer_arenas() const { return layers_per_arena == 1; }
+  // codes bytes of one layer: its group's block count (a sliding group's pool is smaller)
+  int64_t codes_bytes_of_layer(int layer) const {
+    return block_bytes_layer() * groups[static_cast<size_t>(layer_group[static_cast<size_t>(layer)])].num_blocks;
+  }
+  // pool bytes of one block of group g's layers (bytes_per_token covers every layer, each the same)
+  int64_t group_block_bytes(size_t g) const {
+    return bytes_per_token / num_layers * static_cast<int64_t>(groups[g].layers.size()) * block_size;
+  }
+  // the pool bytes a budget must hold whatever group 0's block count: the fixed part and the other
+  // groups' blocks (they are always all usable)
+  int64_t budget_fixed_bytes() const {
+    int64_t b = pool_fixed_bytes;
+    for (size_t g = 1; g < groups.size(); ++g) b += group_block_bytes(g) * groups[g].num_blocks;
+    return b;
+  }
 
   int64_t committed_bytes() const {
     int64_t c = static_cast<int64_t>(arenas.empty() ? 0 : arenas[0]->size);
     for (size_t i = 1; i < arenas.size(); ++i) {
-      if (per_layer_arenas())
-        c += static_cast<int64_t>(arenas[i]->size) - codes_bytes_per_layer + pool->limit() * block_bytes_layer();
+      if (per_layer_arenas() && layer_group[i - 1] == 0)  // group 0's blocks are committed up to the limit
+        c += static_cast<int64_t>(arenas[i]->size) - codes_bytes_of_layer(static_cast<int>(i - 1)) +
+             pool->main().limit() * block_bytes_layer();
       else
         c += static_cast<int64_t>(arenas[i]->size);
     }
@@ -120,31 +142,40 @@ struct Runner::Impl {
   // (same formula from the manifest's pool fields, same minimum; tests/test_runner_cli.py compares them).
   static constexpr int kMinPoolBlocks = 2;  // toolkit.pool_layout.MIN_POOL_BLOCKS
   int budget_blocks(int64_t budget_bytes) const {
-    const int64_t per_block = bytes_per_token * block_size;
-    const int64_t room = budget_bytes - pool_fixed_bytes;
+    const int64_t per_block = group_block_bytes(0);      // bytes_per_token * block_size without groups
+    const int64_t fixed = budget_fixed_bytes();          // pool_fixed_bytes without groups
+    const int64_t room = budget_bytes - fixed;
     const int64_t fit = room < 0 ? 0 : room / per_block;
     if (fit < kMinPoolBlocks)
       throw RunnerError(ErrorCode::kArgument,
                         "pool budget of " + std::to_string(budget_bytes) + " bytes is too small: it holds fewer than " +
                             std::to_string(kMinPoolBlocks) + " blocks of " + std::to_string(block_size) +
                             " tokens; the smallest pool needs " +
-                            std::to_string(pool_fixed_bytes + kMinPoolBlocks * per_block) + " bytes (" +
-                            std::to_string(per_block) + " per block + " + std::to_string(pool_fixed_bytes) +
+                            std::to_string(fixed + kMinPoolBlocks * per_block) + " bytes (" +
+                            std::to_string(per_block) + " per block + " + std::to_string(fixed) +
                             " that do not depend on the block count). Raise the budget.");
-    return static_cast<int>(std::min<int64_t>(fit, num_blocks));
+    return static_cast<int>(std::min<int64_t>(fit, groups[0].num_blocks));
   }
 
   void refresh_stats() {
     PoolStats s;
-    s.total_blocks = num_blocks;
-    s.usable_blocks = pool->limit();
-    s.used_blocks = pool->num_used();
-    s.free_blocks = pool->num_free();
+    const BlockManager& main = pool->main();
+    s.total_blocks = main.num_blocks();
+    s.usable_blocks = main.limit();
+    s.used_blocks = main.num_used();
+    s.free_blocks = main.num_free();
     s.block_size = block_size;
     s.sequences = static_cast<int>(pool->live_sequences().size());
     s.bytes_per_block = bytes_per_token * block_size;
     s.pool_fixed_bytes = pool_fixed_bytes;
-    s.kv_bytes_in_use = s.used_blocks * s.bytes_per_block + s.sequences * stage_bytes_per_seq;
+    s.kv_bytes_in_use = s.sequences * stage_bytes_per_seq;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const BlockManager& p = pool->pool(g);
+      s.kv_bytes_in_use += p.num_used() * group_block_bytes(g);
+      if (grouped)
+        s.groups.push_back(GroupStats{groups[g].window, static_cast<int>(groups[g].layers.size()), p.num_blocks(),
+                                      p.limit(), p.num_used(), p.num_free(), peak_used[g], group_block_bytes(g)});
+    }
     s.committed_bytes = committed_bytes();
     for (const auto& a : arenas) {
       s.reserved_bytes += static_cast<int64_t>(a->size);
@@ -161,13 +192,15 @@ struct Runner::Impl {
     snapshot = s;
   }
 
-  // Touch (commit) or release the pages of blocks [lo, hi) in every layer's codes region.
+  // Touch (commit) or release the pages of blocks [lo, hi) in the codes region of every layer of group 0
+  // (the group the budget and shrink/grow limit; the other groups' arenas stay committed whole).
   int64_t touch_blocks(int lo, int hi, bool commit) {
     if (!per_layer_arenas() || hi <= lo) return 0;
     const size_t ps = page_size();
     const size_t bbl = static_cast<size_t>(block_bytes_layer());
     int64_t done = 0;
     for (size_t i = 1; i < arenas.size(); ++i) {
+      if (layer_group[i - 1] != 0) continue;
       size_t a = static_cast<size_t>(lo) * bbl, b = static_cast<size_t>(hi) * bbl;
       if (commit) {
         std::memset(arenas[i]->ptr + a, 0, b - a);
@@ -237,6 +270,7 @@ struct Runner::Impl {
       if (const Json* tf = m.find("tokenizer_files"))
         for (const Json& e : tf->items()) tokenizer_files.push_back(e.as_string());
       pte_file = (*pte)["file"].as_string();
+      load_groups(m, *pte, dir);
     } catch (const RunnerError&) {
       throw;
     } catch (const std::exception& e) {
@@ -244,6 +278,68 @@ struct Runner::Impl {
                                                   "): re-run `pagedkv export --format pte`.");
     }
   }
+  // The manifest's "groups" entry (runtime_sim.session.manifest_groups): [{"window", "layers", "num_blocks"}],
+  // the layers of every group covering each layer once; absent for a model without sliding layers (one
+  // global group of the pool's blocks). The .pte's inputs must be the tables those groups imply.
+  void load_groups(const Json& m, const Json& pte, const std::string& dir) {
+    auto bad = [&](const std::string& what) {
+      return RunnerError(ErrorCode::kArtifact, dir + "/pagedkv.json's groups entry " + what + ": re-run `pagedkv export`.");
+    };
+    groups.clear();
+    layer_group.assign(static_cast<size_t>(num_layers), -1);
+    const Json* gs = m.find("groups");
+    grouped = gs != nullptr && !gs->is_null();
+    if (!grouped) {
+      LayerGroup g{0, {}, num_blocks};
+      for (int i = 0; i < num_layers; ++i) g.layers.push_back(i);
+      groups.push_back(g);
+    } else {
+      if (!gs->is_array() || gs->size() == 0) throw bad("is not a non-empty list of layer groups");
+      for (const Json& e : gs->items()) {
+        if (!e.is_object()) throw bad("holds something that is not a layer group");
+        LayerGroup g;
+        const int64_t w = e["window"].as_int(), nb = e["num_blocks"].as_int();
+        if (w < 0 || w > (int64_t{1} << 30)) throw bad("has window " + std::to_string(w));
+        if (nb < 1 || nb > num_blocks)
+          throw bad("gives a group " + std::to_string(nb) + " blocks, outside 1.." + std::to_string(num_blocks) +
+                    " (the pool's num_blocks)");
+        g.window = static_cast<int>(w);
+        g.num_blocks = static_cast<int>(nb);
+        for (const Json& l : e["layers"].items()) {
+          const int64_t i = l.as_int();
+          if (i < 0 || i >= num_layers)
+            throw bad("names layer " + std::to_string(i) + ", the model has layers 0.." + std::to_string(num_layers - 1));
+          if (layer_group[static_cast<size_t>(i)] >= 0) throw bad("puts layer " + std::to_string(i) + " in two groups");
+          layer_group[static_cast<size_t>(i)] = static_cast<int>(groups.size());
+          g.layers.push_back(static_cast<int>(i));
+        }
+        if (g.layers.empty()) throw bad("has a group without layers");
+        if (g.window == 0 && g.num_blocks != num_blocks)
+          throw bad("gives the global group " + std::to_string(g.num_blocks) + " blocks, the pool has " +
+                    std::to_string(num_blocks));
+        groups.push_back(g);
+      }
+      for (int i = 0; i < num_layers; ++i)
+        if (layer_group[static_cast<size_t>(i)] < 0) throw bad("leaves layer " + std::to_string(i) + " out");
+    }
+    for (size_t g = 0; g < groups.size(); ++g)
+      for (int i : groups[g].layers) layer_group[static_cast<size_t>(i)] = static_cast<int>(g);
+    peak_used.assign(groups.size(), 0);
+    // the artifact's input names: input_ids, positions, seq_ids, block_tables, block_tables_1, ...
+    if (const Json* in = pte.find("inputs")) {
+      std::vector<std::string> want = {"input_ids", "positions", "seq_ids", "block_tables"};
+      for (size_t g = 1; g < groups.size(); ++g) want.push_back("block_tables_" + std::to_string(g));
+      std::vector<std::string> have;
+      for (const Json& x : in->items()) have.push_back(x.is_string() ? x.as_string() : "?");
+      if (have != want)
+        throw RunnerError(ErrorCode::kArtifact,
+                          dir + "/pagedkv.json describes " + std::to_string(groups.size()) + " layer group(s) (" +
+                              std::to_string(groups.size()) + " block table(s)), but its .pte entry lists " +
+                              std::to_string(have.size()) + " inputs (" + std::to_string(have.size() > 3 ? have.size() - 3 : 0) +
+                              " block table(s)): the groups entry and the program disagree; re-run `pagedkv export`.");
+    }
+  }
+
   std::vector<int32_t> eos;
   std::string pte_file;
   std::string chat_template_src;  // "" = none
@@ -321,10 +417,17 @@ struct Runner::Impl {
       throw RunnerError(ErrorCode::kArtifact, pte + " plans " + std::to_string(nbuf) + " memory arenas, the manifest " +
                                                   "implies " + std::to_string(want) +
                                                   " (activations + one per pool group): re-export the artifacts.");
-    // the budget decides how many blocks are usable (and committed)
-    const int limit = cfg.pool_budget_bytes > 0 ? budget_blocks(cfg.pool_budget_bytes) : num_blocks;
+    if (meta->num_inputs() != 3 + groups.size())
+      throw RunnerError(ErrorCode::kArtifact,
+                        pte + " takes " + std::to_string(meta->num_inputs()) + " inputs (" +
+                            std::to_string(meta->num_inputs() >= 3 ? meta->num_inputs() - 3 : 0) +
+                            " block table(s)), but pagedkv.json describes " + std::to_string(groups.size()) +
+                            " layer group(s), one block table each: the groups entry and the program disagree; "
+                            "re-run `pagedkv export`.");
+    // the budget decides how many blocks of group 0 are usable (and committed); the other groups' are all
+    const int limit = cfg.pool_budget_bytes > 0 ? budget_blocks(cfg.pool_budget_bytes) : groups[0].num_blocks;
     budget_limit = limit;
-    pool = std::make_unique<BlockManager>(num_blocks, block_size, max_seqs, limit);
+    pool = std::make_unique<GroupedBlockManager>(groups, block_size, max_seqs, limit);
     for (size_t i = 0; i < nbuf; ++i) {
       auto sz = meta->memory_planned_buffer_size(i);
       if (!sz.ok()) throw RunnerError(ErrorCode::kModel, "cannot read the size of memory arena " + std::to_string(i + 1));
@@ -336,20 +439,26 @@ struct Runner::Impl {
       if (p == MAP_FAILED) {
         throw RunnerError(ErrorCode::kAllocation,
                           "could not allocate memory arena " + std::to_string(i + 1) + " (" +
-                              (i == 0 ? std::string("activations") : "KV pool of layer group " + std::to_string(i - 1)) +
+                              (i == 0 ? std::string("activations")
+                                      : per_layer_arenas() ? "KV pool of layer " + std::to_string(i - 1)
+                                                           : "KV pool of layers from " + std::to_string((i - 1) * layers_per_arena)) +
                               ", " + std::to_string(arena->size) + " bytes)" + (fail ? " [injected failure]" : "") +
                               ": free memory or lower the pool budget. Nothing stays allocated.");
       }
       arena->ptr = static_cast<uint8_t*>(p);
-      if (i >= 1 && per_layer_arenas() && static_cast<size_t>(codes_bytes_per_layer) > arena->size)
-        throw RunnerError(ErrorCode::kArtifact, "memory arena " + std::to_string(i + 1) + " (" + std::to_string(arena->size) +
-                                                    " bytes) is smaller than one layer's codes tensor: the .pte and "
-                                                    "pagedkv.json do not match; re-export.");
+      const size_t codes = i >= 1 && per_layer_arenas() ? static_cast<size_t>(codes_bytes_of_layer(static_cast<int>(i - 1))) : 0;
+      if (codes > arena->size)
+        throw RunnerError(ErrorCode::kArtifact,
+                          "memory arena " + std::to_string(i + 1) + " (" + std::to_string(arena->size) +
+                              " bytes) is smaller than layer " + std::to_string(i - 1) + "'s codes tensor of " +
+                              std::to_string(codes) + " bytes (" +
+                              std::to_string(groups[static_cast<size_t>(layer_group[i - 1])].num_blocks) +
+                              " blocks): the .pte and pagedkv.json (pool / groups) do not match; re-export.");
       if (cfg.prefault) {  // commit what the budget allows: activations, non-block tensors, blocks < limit
-        if (i == 0 || !per_layer_arenas()) {
+        if (i == 0 || !per_layer_arenas() || layer_group[i - 1] != 0) {
           std::memset(arena->ptr, 0, arena->size);
         } else {
-          std::memset(arena->ptr + codes_bytes_per_layer, 0, arena->size - static_cast<size_t>(codes_bytes_per_layer));
+          std::memset(arena->ptr + codes, 0, arena->size - codes);
         }
       }
       spans.emplace_back(arena->ptr, arena->size);
@@ -371,27 +480,37 @@ struct Runner::Impl {
       throw RunnerError(ErrorCode::kArgument, "conversation would reach " + std::to_string(start + T) +
                                                   " tokens, the .pte accepts at most " +
                                                   std::to_string(max_blocks_per_seq * block_size) + ": clear it.");
-    pool->reserve(c.seq, T);  // throws kPoolExhausted with nothing changed
+    pool->reserve(c.seq, T);  // every group; throws kPoolExhausted with nothing changed
+    for (size_t g = 0; g < groups.size(); ++g) peak_used[g] = std::max(peak_used[g], pool->pool(g).num_used());
     std::vector<int64_t> ids(toks.begin(), toks.end()), pos(T), seq(T, c.seq);
     std::iota(pos.begin(), pos.end(), static_cast<int64_t>(start));
-    std::vector<int64_t> tables(static_cast<size_t>(max_seqs) * width, -1);
-    for (int s : pool->live_sequences()) {
-      const auto& b = pool->blocks(s);
-      for (int j = 0; j < width && j < static_cast<int>(b.size()); ++j) tables[static_cast<size_t>(s) * width + j] = b[j];
-    }
+    // one table [max_seqs, width] per layer group; a sliding group's rows have holes (-1) before its window
+    std::vector<std::vector<int64_t>> tables(groups.size(), std::vector<int64_t>(static_cast<size_t>(max_seqs) * width, -1));
+    for (size_t g = 0; g < groups.size(); ++g)
+      for (int s : pool->live_sequences()) {
+        const auto& b = pool->pool(g).blocks(s);
+        for (int j = 0; j < width && j < static_cast<int>(b.size()); ++j)
+          tables[g][static_cast<size_t>(s) * width + j] = b[static_cast<size_t>(j)];
+      }
     using executorch::extension::make_tensor_ptr;
+    using executorch::extension::TensorPtr;
     auto t_ids = make_tensor_ptr({1, T}, ids.data(), ScalarType::Long);
     auto t_pos = make_tensor_ptr({T}, pos.data(), ScalarType::Long);
     auto t_seq = make_tensor_ptr({T}, seq.data(), ScalarType::Long);
-    auto t_tab = make_tensor_ptr({max_seqs, width}, tables.data(), ScalarType::Long);
-    auto res = module->forward({*t_ids, *t_pos, *t_seq, *t_tab});
+    std::vector<TensorPtr> t_tabs;
+    std::vector<et::EValue> inputs = {*t_ids, *t_pos, *t_seq};
+    for (auto& t : tables) {  // block_tables, block_tables_1, ...: the .pte's input order
+      t_tabs.push_back(make_tensor_ptr({max_seqs, width}, t.data(), ScalarType::Long));
+      inputs.emplace_back(*t_tabs.back());
+    }
+    auto res = module->forward(inputs);
     if (!res.ok()) {
       // the kernel checks its inputs before writing: the blocks reserved for this call are unused
       throw RunnerError(ErrorCode::kModel, "ExecuTorch forward failed (error " +
                                                std::to_string(static_cast<int>(res.error())) +
                                                "); see the log for the kernel's message");
     }
-    pool->commit(c.seq, T);
+    pool->commit(c.seq, T);  // a sliding group hands back the blocks that left its window
     c.history.insert(c.history.end(), toks.begin(), toks.end());
     const auto& out = res.get()[0].toTensor();
     const int V = static_cast<int>(out.size(out.dim() - 1));
@@ -584,15 +703,23 @@ std::vector<int32_t> Runner::generate(int conv, const std::vector<int32_t>& prom
                                                   std::to_string(m.vocab_size - 1) + ")");
   std::vector<int32_t> toks = c.pending;
   toks.insert(toks.end(), prompt_ids.begin(), prompt_ids.end());
-  const int need = m.pool->blocks_needed(c.seq, static_cast<int>(toks.size()));
-  if (need > m.pool->num_free())  // the whole prompt up front: never a half-prefilled turn
-    throw RunnerError(ErrorCode::kPoolExhausted,
-                      "KV block pool exhausted for a prompt of " + std::to_string(toks.size()) + " tokens: needs " +
-                          std::to_string(need) + " block(s), only " + std::to_string(m.pool->num_free()) +
-                          " free. Clear a conversation or give the pool a larger budget.");
-  c.pending.clear();
   int chunk = m.max_tokens_per_call;
   if (m.cfg.prefill_chunk > 0) chunk = std::min(chunk, m.cfg.prefill_chunk);
+  // the whole prompt up front: never a half-prefilled turn (a sliding group trims between the chunks)
+  const std::vector<int> need = m.pool->blocks_needed(c.seq, static_cast<int>(toks.size()), chunk);
+  for (size_t g = 0; g < need.size(); ++g) {
+    const int free = m.pool->pool(g).num_free();
+    if (need[g] > free)
+      throw RunnerError(ErrorCode::kPoolExhausted,
+                        "KV block pool exhausted for a prompt of " + std::to_string(toks.size()) + " tokens" +
+                            (m.grouped ? " in layer group " + std::to_string(g) + " (" +
+                                             (m.groups[g].window ? "window " + std::to_string(m.groups[g].window)
+                                                                 : std::string("global")) + ")"
+                                       : std::string()) +
+                            ": needs " + std::to_string(need[g]) + " block(s), only " + std::to_string(free) +
+                            " free. Clear a conversation or give the pool a larger budget.");
+  }
+  c.pending.clear();
   double t0 = now_s();
   std::vector<float> logits;
   for (size_t a = 0; a < toks.size(); a += static_cast<size_t>(chunk)) {
@@ -647,14 +774,15 @@ ShrinkResult Runner::shrink(int target) {
   Impl& m = *impl_;
   ShrinkResult r;
   r.requested_blocks = target;
-  r.usable_before = m.pool->limit();
-  int hu = m.pool->highest_used();
+  BlockManager& main = m.pool->main();  // group 0: the one with a limit
+  r.usable_before = main.limit();
+  int hu = main.highest_used();
   if (hu >= target) {  // count used blocks at or above the target
-    for (int s : m.pool->live_sequences())
-      for (int b : m.pool->blocks(s))
+    for (int s : main.live_sequences())
+      for (int b : main.blocks(s))
         if (b >= target) ++r.blocked_by_used;
   }
-  r.usable_after = m.pool->shrink(target);
+  r.usable_after = main.shrink(target);
   r.released_bytes = m.touch_blocks(r.usable_after, r.usable_before, false);
   m.refresh_stats();
   return r;
@@ -663,8 +791,8 @@ ShrinkResult Runner::shrink(int target) {
 int Runner::grow(int target) {
   std::lock_guard<std::mutex> g(impl_->mu);
   Impl& m = *impl_;
-  int before = m.pool->limit();
-  int after = m.pool->grow(std::min(target, m.num_blocks));
+  int before = m.pool->main().limit();
+  int after = m.pool->main().grow(std::min(target, m.pool->main().num_blocks()));
   if (m.cfg.prefault) m.touch_blocks(before, after, true);
   m.refresh_stats();
   return after;

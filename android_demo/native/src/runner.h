@@ -47,7 +47,20 @@ struct Sampling {
   bool ignore_stop = false;  // benchmarks: keep generating past stop tokens (a fixed number of steps)
 };
 
+// One layer group's blocks (the manifest's "groups" entry: global layers, sliding-window layers).
+struct GroupStats {
+  int window = 0;            // 0 = global, W = sliding window of W positions
+  int layers = 0;            // layers in the group
+  int total_blocks = 0;      // blocks of the group's pool (each of its layers holds that many)
+  int usable_blocks = 0;     // below the limit (only group 0 has one below total_blocks)
+  int used_blocks = 0;
+  int free_blocks = 0;
+  int peak_used_blocks = 0;  // the most blocks in use at once since the runner started
+  int64_t bytes_per_block = 0;  // the group's layers
+};
+
 struct PoolStats {
+  // total/usable/used/free: group 0 (for a model without sliding layers, the one pool of every layer)
   int total_blocks = 0;      // blocks in the exported pool
   int usable_blocks = 0;     // blocks below the current limit (budget / shrink)
   int used_blocks = 0;
@@ -55,7 +68,7 @@ struct PoolStats {
   int block_size = 0;
   int sequences = 0;         // live conversations
   int64_t kv_bytes_in_use = 0;
-  int64_t bytes_per_block = 0;   // all layers
+  int64_t bytes_per_block = 0;   // all layers (one block of every layer)
   int64_t pool_fixed_bytes = 0;  // pool bytes that do not depend on the block count (PoolLayout.fixed_bytes)
   int64_t committed_bytes = 0;   // arena bytes currently backed (after prefault / release)
   int64_t reserved_bytes = 0;    // arena bytes mapped (address space)
@@ -65,6 +78,7 @@ struct PoolStats {
   double prefill_tok_s = 0, decode_tok_s = 0;
   std::string isa;
   int threads = 0;  // ExecuTorch's threadpool (linears and attention kernel)
+  std::vector<GroupStats> groups;  // per layer group; empty for a model without sliding layers
 };
 
 // Resident bytes of the runner's own mappings now (mincore), for a whole-process breakdown.

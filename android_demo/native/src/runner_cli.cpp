@@ -8,6 +8,8 @@
 // decode tok/s, the process's peak resident set (VmHWM) and a breakdown of the resident set after the
 // run: the .pte's mapped pages (weights read from the file), the KV pool arenas, the activation arena,
 // shared libraries, and the rest (heap: XNNPACK's packed weights, the runtime's own allocations).
+// A model with sliding-window layers (the manifest's "groups") reports each layer group's blocks too
+// (--json: "groups": [{window, layers, total/usable/used/free/peak_used blocks, bytes_per_block}]).
 // Bad input: one line on stderr naming the problem and the fix, exit 2.
 #include <unistd.h>
 
@@ -138,8 +140,9 @@ int main(int argc, char** argv) {
            ": give a longer text or a smaller --ctx");
     ids.resize(static_cast<size_t>(ctx));
 
-    {
-      const PoolStats s0 = r.stats();
+    // a pool whose group 0 is global must hold every token; a model with only sliding layers holds a
+    // window per conversation whatever the length (its pool was sized for that at export)
+    if (const PoolStats s0 = r.stats(); s0.groups.empty() || s0.groups[0].window == 0) {
       const int64_t room = static_cast<int64_t>(s0.usable_blocks) * s0.block_size;
       if (ctx + decode > room)
         fail("--ctx " + std::to_string(ctx) + " + --decode " + std::to_string(decode) + " tokens do not fit the pool: " +
@@ -169,13 +172,24 @@ int main(int argc, char** argv) {
           "\"rss_bytes\": %lld, \"weights_file_resident_bytes\": %lld, \"kv_pool_resident_bytes\": %lld, "
           "\"kv_pool_reserved_bytes\": %lld, \"kv_bytes\": %lld, \"activations_resident_bytes\": %lld, "
           "\"activations_reserved_bytes\": %lld, \"libraries_resident_bytes\": %lld, \"rest_bytes\": %lld, "
-          "\"pool_blocks\": %d, \"usable_blocks\": %d, \"used_blocks\": %d, \"pool_fixed_bytes\": %lld, "
-          "\"generated\": [",
+          "\"pool_blocks\": %d, \"usable_blocks\": %d, \"used_blocks\": %d, \"pool_fixed_bytes\": %lld, ",
           (long long)ctx, out.size(), st.threads, st.isa.c_str(), load_s, ttft, st.prefill_tok_s, st.decode_tok_s,
           total_s, (long long)hwm, (long long)rss, (long long)weights_file, (long long)mu.pool_resident,
           (long long)mu.pool_reserved, (long long)st.kv_bytes_in_use, (long long)mu.activations_resident,
           (long long)mu.activations_reserved, (long long)libs, (long long)rest, st.total_blocks, st.usable_blocks,
           st.used_blocks, (long long)st.pool_fixed_bytes);
+      if (!st.groups.empty()) {  // per layer group (models with sliding layers): block counts of each pool
+        std::printf("\"groups\": [");
+        for (size_t g = 0; g < st.groups.size(); ++g) {
+          const GroupStats& x = st.groups[g];
+          std::printf("%s{\"window\": %d, \"layers\": %d, \"total_blocks\": %d, \"usable_blocks\": %d, "
+                      "\"used_blocks\": %d, \"free_blocks\": %d, \"peak_used_blocks\": %d, \"bytes_per_block\": %lld}",
+                      g ? ", " : "", x.window, x.layers, x.total_blocks, x.usable_blocks, x.used_blocks, x.free_blocks,
+                      x.peak_used_blocks, (long long)x.bytes_per_block);
+        }
+        std::printf("], ");
+      }
+      std::printf("\"generated\": [");
       for (size_t i = 0; i < out.size(); ++i) std::printf("%s%d", i ? ", " : "", out[i]);
       std::printf("]}\n");
     } else {
@@ -191,6 +205,10 @@ int main(int argc, char** argv) {
       std::printf("    weights (mapped .pte, resident) %8.1f MiB\n", weights_file / M);
       std::printf("    KV pool (resident / reserved)   %8.1f / %.1f MiB (in use %.1f MiB)\n", mu.pool_resident / M,
                   mu.pool_reserved / M, st.kv_bytes_in_use / M);
+      for (const GroupStats& x : st.groups)
+        std::printf("      layer group %s, %d layer(s): %d of %d blocks used (peak %d)\n",
+                    x.window ? ("window " + std::to_string(x.window)).c_str() : "global", x.layers, x.used_blocks,
+                    x.usable_blocks, x.peak_used_blocks);
       std::printf("    activations arena (resident)    %8.1f MiB\n", mu.activations_resident / M);
       std::printf("    shared libraries                %8.1f MiB\n", libs / M);
       std::printf("    rest (heap: packed weights, runtime) %.1f MiB\n", rest / M);

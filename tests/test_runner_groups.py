@@ -1,0 +1,219 @@
+"""The Android runner (android_demo/native/src/runner.cpp, driven through pagedkv-runner) on models with
+layer groups: one block table per group (block_tables, block_tables_1, ... in the .pte's input order),
+each sliding group handing its blocks back to its own pool as they leave the window, exactly like
+runtime_sim's engine (toolkit.block_pool.GroupedBlockPool).
+
+Tiny random configs exported to .pte with an fp32 pool: Gemma 3 (a sliding layer with a window of 16
+and a global layer) and Mistral (every layer sliding, window 32). For a prompt plus a generation several
+windows long the runner's greedy tokens equal HF's, and its per-group statistics show the sliding
+group holding at most the window's blocks. A manifest whose groups entry disagrees with the .pte is
+one line and exit 2. Prerequisites as tests/test_runner_cli.py (the host build of ci_build.sh).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import hf_greedy
+from toolkit.block_pool import dead_blocks, window_blocks_needed
+
+REPO = Path(__file__).resolve().parent.parent
+CI = REPO / "android_demo" / "native" / "ci_build.sh"
+APT = "apt-get install -y cmake g++ openjdk-17-jdk-headless"
+BS = 16
+CALL = 16  # max_tokens_per_call of the exports: the runner prefills in calls of 16 tokens
+PROMPT, DECODE = 70, 60  # 130 tokens: 8 windows of 16, 4 of 32
+FAMILIES = {"gemma3": 16, "mistral": 32}  # family -> its sliding window here
+
+
+def tiny(family: str, window: int):
+    """toolkit.tiny_models.tiny_model with another sliding window (set before the layers are built)."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.tiny_models import tiny_config
+
+    cfg = tiny_config(family)
+    cfg.sliding_window = window
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def host_cli():
+    missing = [t for t in ("g++", "javac", "cmake") if shutil.which(t) is None]
+    if missing:
+        pytest.fail(f"{', '.join(missing)} not installed: {APT}")
+    proc = subprocess.run(["bash", str(CI), "host"], capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return REPO / "build" / "android-host" / "pagedkv-runner"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(wikitext):
+    from toolkit.tiny_models import tiny_bpe_tokenizer
+
+    lines = [ln for ln in wikitext.read_text(encoding="utf-8").splitlines() if ln.strip()][:2000]
+    return tiny_bpe_tokenizer(lines)
+
+
+@pytest.fixture(scope="module")
+def prompt(tokenizer, wikitext, tmp_path_factory):
+    """A text that the tokenizer encodes as exactly PROMPT tokens (the CLI encodes the whole file)."""
+    text = wikitext.read_text(encoding="utf-8")[5000:12000]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:PROMPT]
+    prompt_text = tokenizer.decode(ids)
+    assert tokenizer(prompt_text, add_special_tokens=False)["input_ids"] == ids
+    path = tmp_path_factory.mktemp("groups-prompt") / "prompt.txt"
+    path.write_text(prompt_text, encoding="utf-8")
+    return path, ids
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def exported(request, tokenizer, prompt, tmp_path_factory):
+    """(family, window, artifacts dir, HF's greedy tokens) for one tiny family with sliding layers."""
+    from export.artifacts import PoolRequest, export_artifacts
+
+    family, window = request.param, FAMILIES[request.param]
+    art = tmp_path_factory.mktemp(f"groups-{family}") / "artifacts"
+    export_artifacts(f"tiny-{family}", art, formats=("pte",), spec="fp32",
+                     pool=PoolRequest(pool_tokens=512, max_seqs=1, block_size=BS), max_tokens_per_call=CALL,
+                     model_and_tokenizer=(tiny(family, window), tokenizer))
+    ref = hf_greedy(tiny(family, window), prompt[1], DECODE)
+    return family, window, art, ref
+
+
+def run_cli(binary, art, prompt_file, *extra):
+    cmd = [binary, art, "--prompt-file", prompt_file, "--ctx", PROMPT, "--decode", DECODE, "--threads", "1", *extra]
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=900)
+
+
+def test_grouped_runner_greedy_equals_hf_and_sliding_blocks_return(host_cli, exported, prompt):
+    family, window, art, ref = exported
+    man = json.loads((art / "pagedkv.json").read_text())
+    groups = man["groups"]
+    assert man["artifacts"]["pte"]["inputs"][3:] == ["block_tables"] + [f"block_tables_{g}" for g in range(1, len(groups))]
+    p = run_cli(host_cli, art, prompt[0], "--json")
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["generated"] == ref
+    # the last generated token is not fed: the cache holds PROMPT + DECODE - 1 tokens
+    length = PROMPT + DECODE - 1
+    assert [(g["window"], g["layers"], g["total_blocks"]) for g in r["groups"]] == \
+        [(g["window"], len(g["layers"]), g["num_blocks"]) for g in groups]
+    for g in r["groups"]:
+        assert g["used_blocks"] + g["free_blocks"] == g["usable_blocks"] == g["total_blocks"]
+        if g["window"]:
+            # only the blocks that intersect the window before the next position; the rest went back
+            assert g["used_blocks"] == -(-length // BS) - dead_blocks(window, BS, length)
+            assert dead_blocks(window, BS, length) >= 3
+            # at no time more than a window plus one call's tokens, far below the whole conversation's blocks
+            assert g["peak_used_blocks"] <= window_blocks_needed(window, BS, CALL) < -(-length // BS)
+        else:
+            assert g["used_blocks"] == g["peak_used_blocks"] == -(-length // BS)
+    main = r["groups"][0]
+    assert (r["pool_blocks"], r["usable_blocks"], r["used_blocks"]) == \
+        (main["total_blocks"], main["usable_blocks"], main["used_blocks"])
+    assert r["kv_bytes"] == sum(g["used_blocks"] * g["bytes_per_block"] for g in r["groups"])
+    if family == "gemma3":
+        assert [g["window"] for g in r["groups"]] == [0, window]  # the global group first
+    else:
+        assert [g["window"] for g in r["groups"]] == [window]  # Mistral: every layer sliding
+
+
+def test_runtime_sim_engine_holds_the_same_blocks(exported, prompt):
+    """The Python engine on the same .pte: the same tokens and the same blocks per group at the end."""
+    from runtime_sim.session import open_artifacts
+
+    family, window, art, ref = exported
+    engine = open_artifacts(art, "executorch")
+    engine.prefill_chunk = CALL
+    c = engine.new_conversation()
+    assert list(engine.generate(c, prompt[1], max_new_tokens=DECODE)) == ref
+    seq = engine.conversations[c].seq
+    length = PROMPT + DECODE - 1
+    for g, grp in enumerate(engine.groups):
+        held = sum(b >= 0 for b in engine.pool.block_table(seq, g))
+        want = -(-length // BS) - dead_blocks(grp.window, BS, length)
+        assert held == want == engine.stats()["groups"][g]["used_blocks"]
+
+
+def test_each_layer_arena_starts_with_its_groups_codes(exported):
+    """The runner commits and releases group 0's block pages assuming each layer's arena starts with its
+    codes tensor, of its group's block count (a sliding layer's is smaller)."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    _, _, art, _ = exported
+    man = json.loads((art / "pagedkv.json").read_text())
+    shape = man["pool"]["codes_shape"]
+    blocks = {layer: g["num_blocks"] for g in man["groups"] for layer in g["layers"]}
+    res = deserialize_pte_binary((art / "model.pte").read_bytes())
+    plan = getattr(res, "program", res).execution_plan[0]
+    codes = {}
+    for v in plan.values:
+        info = getattr(v.val, "allocation_info", None)
+        if info is not None and info.memory_id >= 2 and list(v.val.sizes)[1:] == shape[1:] \
+                and list(v.val.sizes)[0] == blocks[info.memory_id - 2]:
+            codes[info.memory_id - 2] = (info.memory_offset_low, info.memory_offset_high)
+    assert codes == {layer: (0, 0) for layer in range(man["pool"]["num_layers"])}
+
+
+def edit_manifest(art: Path, tmp_path: Path, change) -> Path:
+    bad = tmp_path / "artifacts"
+    shutil.copytree(art, bad)
+    man = json.loads((bad / "pagedkv.json").read_text())
+    change(man)
+    (bad / "pagedkv.json").write_text(json.dumps(man))
+    return bad
+
+
+def _drop_groups(man):
+    del man["groups"]
+
+
+def _grow_sliding_group(man):
+    man["groups"][-1]["num_blocks"] = man["pool"]["num_blocks"]
+
+
+def _empty_or_short_group(man):
+    man["groups"][-1]["layers"] = man["groups"][-1]["layers"][:-1]
+
+
+def _other_tables(man):
+    """Groups (and the manifest's own input names) that imply another number of block tables than the .pte
+    takes: Gemma 3's two groups merged into one, Mistral's one split in two."""
+    groups, n = man["groups"], man["model"]["num_layers"]
+    if len(groups) > 1:
+        man["groups"] = [{"window": 0, "layers": list(range(n)), "num_blocks": man["pool"]["num_blocks"]}]
+    else:
+        man["groups"] = [dict(groups[0], layers=[i]) for i in range(n)]
+    man["artifacts"]["pte"]["inputs"] = ["input_ids", "positions", "seq_ids", "block_tables"] + \
+        [f"block_tables_{g}" for g in range(1, len(man["groups"]))]
+
+
+@pytest.mark.parametrize("change,needles", [
+    # Gemma 3: the manifest's input names list two tables; Mistral: its one sliding layer group read as
+    # global has more blocks than the program's buffers
+    (_drop_groups, {"gemma3": "block table", "mistral": "codes tensor"}),
+    (_grow_sliding_group, {"gemma3": "codes tensor", "mistral": "codes tensor"}),
+    (_empty_or_short_group, {"gemma3": "without layers", "mistral": "leaves layer 1 out"}),
+    (_other_tables, {"gemma3": "takes 5 inputs (2 block table(s))", "mistral": "takes 4 inputs (1 block table(s))"}),
+])
+def test_groups_entry_inconsistent_with_the_pte_is_one_line_exit_2(host_cli, exported, prompt, tmp_path, change,
+                                                                   needles):
+    family, window, art, _ = exported
+    bad = edit_manifest(art, tmp_path, change)
+    p = run_cli(host_cli, bad, prompt[0], "--json")
+    err = [ln for ln in p.stderr.splitlines() if ln.startswith("pagedkv-runner:")]
+    assert p.returncode == 2 and len(err) == 1 and needles[family] in err[0] and "export" in err[0], p.stderr
+    assert p.stdout == ""
