@@ -393,6 +393,9 @@ def restore_data(engine, d: ConversationData, path) -> int:
     """restore() of an already read file (the chat reads its messages from d.app)."""
     from runtime_sim.engine import Conversation
 
+    if engine.policy == "adaptive":  # room by spilling idle conversations, once the file is known to fit
+        check_compatible(d, describe(engine), path)
+        engine._room_for_file(d, set())
     seq = restore_sequence(engine, d, path)
     cid = engine._next_id
     engine._next_id += 1

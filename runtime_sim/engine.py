@@ -482,12 +482,7 @@ class Engine:
         another model, spec or version, or a damaged one, raises PagedKVError and changes nothing."""
         from runtime_sim import conversation_file
 
-        if self.policy != "adaptive":
-            return conversation_file.restore(self, path)
-        d = conversation_file.read(path)
-        conversation_file.check_compatible(d, conversation_file.describe(self), path)  # before spilling anyone
-        self._room_for_file(d, set())
-        return conversation_file.restore_data(self, d, path)
+        return conversation_file.restore(self, path)  # adaptive: spills idle conversations to make room
 
     # -- stats ---------------------------------------------------------------------------------
 

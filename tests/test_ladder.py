@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from runtime_sim.backends import TorchBackend
 from runtime_sim.engine import SPILLED, Engine
 from toolkit.compiler import compile
+from toolkit.errors import PagedKVError
 from toolkit.tiny_models import tiny_model
 
 PROMPT = list(range(3, 43))  # 40 tokens: 2 full blocks and a partial one
@@ -130,6 +131,29 @@ def test_sequence_slots_spill_lru_and_clear_and_lost_file(tmp_path):
     a.prefill(c1, [9])  # its tokens are still known: prefilled again
     assert a.conversations[c1].history == [4, 5, 6, 9] and a.stats()["ladder"]["spill_reprefills"] == 1
     a.check_invariants()
+
+
+def test_restore_into_a_full_pool_spills_idle_conversations(tmp_path):
+    """Engine.restore (and /load, through restore_data) under adaptive: idle chats make room; a file
+    that cannot be restored here spills nobody."""
+    src = torch_engine(16)
+    c = src.new_conversation()
+    src.prefill(c, PROMPT)
+    src.save(c, tmp_path / "c.pkvc")
+    a = torch_engine(6, max_seqs=2, spill_dir=tmp_path / "spill")
+    x, y = a.new_conversation(), a.new_conversation()
+    a.prefill(x, PROMPT[:30])
+    a.prefill(y, PROMPT[:20])  # 4 of 6 blocks and both slots held
+    bad = tmp_path / "bad.pkvc"
+    data = (tmp_path / "c.pkvc").read_bytes()
+    bad.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(PagedKVError, match="checksum"):
+        a.restore(bad)
+    assert a.spilled() == []
+    r = a.restore(tmp_path / "c.pkvc")  # needs 3 blocks and a slot: x (least recently used) is spilled
+    assert a.spilled() == [x] and a.conversations[r].history == PROMPT
+    a.check_invariants()
+    assert np.array_equal(a.step({r: [5]})[r], src.step({c: [5]})[c])
 
 
 def test_policy_is_known_to_the_cli_and_session():
