@@ -4,7 +4,8 @@ each sliding group handing its blocks back to its own pool as they leave the win
 runtime_sim's engine (toolkit.block_pool.GroupedBlockPool).
 
 Tiny random configs exported to .pte with an fp32 pool: Gemma 3 (a sliding layer with a window of 16
-and a global layer) and Mistral (every layer sliding, window 32). For a prompt plus a generation several
+and a global layer), Gemma 2 (4 layers alternating sliding / global, window 24: each group's layers
+are not contiguous) and Mistral (every layer sliding, window 32). For a prompt plus a generation several
 windows long the runner's greedy tokens equal HF's, and its per-group statistics show the sliding
 group holding at most the window's blocks. A manifest whose groups entry disagrees with the .pte is
 one line and exit 2. Prerequisites as tests/test_runner_cli.py (the host build of ci_build.sh).
@@ -29,7 +30,7 @@ APT = "apt-get install -y cmake g++ openjdk-17-jdk-headless"
 BS = 16
 CALL = 16  # max_tokens_per_call of the exports: the runner prefills in calls of 16 tokens
 PROMPT, DECODE = 70, 60  # 130 tokens: 8 windows of 16, 4 of 32
-FAMILIES = {"gemma3": 16, "mistral": 32}  # family -> its sliding window here
+FAMILIES = {"gemma3": 16, "gemma2": 24, "mistral": 32}  # family -> its sliding window here
 
 
 def tiny(family: str, window: int):
@@ -40,6 +41,8 @@ def tiny(family: str, window: int):
 
     cfg = tiny_config(family)
     cfg.sliding_window = window
+    if family == "gemma2":  # sliding, global, sliding, global
+        cfg.num_hidden_layers, cfg.layer_types = 4, ["sliding_attention", "full_attention"] * 2
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():
@@ -125,7 +128,7 @@ def test_grouped_runner_greedy_equals_hf_and_sliding_blocks_return(host_cli, exp
     assert (r["pool_blocks"], r["usable_blocks"], r["used_blocks"]) == \
         (main["total_blocks"], main["usable_blocks"], main["used_blocks"])
     assert r["kv_bytes"] == sum(g["used_blocks"] * g["bytes_per_block"] for g in r["groups"])
-    if family == "gemma3":
+    if family != "mistral":
         assert [g["window"] for g in r["groups"]] == [0, window]  # the global group first
     else:
         assert [g["window"] for g in r["groups"]] == [window]  # Mistral: every layer sliding
@@ -191,7 +194,7 @@ def _empty_or_short_group(man):
 
 def _other_tables(man):
     """Groups (and the manifest's own input names) that imply another number of block tables than the .pte
-    takes: Gemma 3's two groups merged into one, Mistral's one split in two."""
+    takes: Gemma's two groups merged into one, Mistral's one split in two."""
     groups, n = man["groups"], man["model"]["num_layers"]
     if len(groups) > 1:
         man["groups"] = [{"window": 0, "layers": list(range(n)), "num_blocks": man["pool"]["num_blocks"]}]
@@ -202,12 +205,13 @@ def _other_tables(man):
 
 
 @pytest.mark.parametrize("change,needles", [
-    # Gemma 3: the manifest's input names list two tables; Mistral: its one sliding layer group read as
+    # Gemma: the manifest's input names list two tables; Mistral: its one sliding layer group read as
     # global has more blocks than the program's buffers
-    (_drop_groups, {"gemma3": "block table", "mistral": "codes tensor"}),
-    (_grow_sliding_group, {"gemma3": "codes tensor", "mistral": "codes tensor"}),
-    (_empty_or_short_group, {"gemma3": "without layers", "mistral": "leaves layer 1 out"}),
-    (_other_tables, {"gemma3": "takes 5 inputs (2 block table(s))", "mistral": "takes 4 inputs (1 block table(s))"}),
+    (_drop_groups, {"gemma3": "block table", "gemma2": "block table", "mistral": "codes tensor"}),
+    (_grow_sliding_group, {"gemma3": "codes tensor", "gemma2": "codes tensor", "mistral": "codes tensor"}),
+    (_empty_or_short_group, {"gemma3": "without layers", "gemma2": "leaves layer 2 out", "mistral": "leaves layer 1 out"}),
+    (_other_tables, {"gemma3": "takes 5 inputs (2 block table(s))", "gemma2": "takes 5 inputs (2 block table(s))",
+                     "mistral": "takes 4 inputs (1 block table(s))"}),
 ])
 def test_groups_entry_inconsistent_with_the_pte_is_one_line_exit_2(host_cli, exported, prompt, tmp_path, change,
                                                                    needles):
