@@ -39,9 +39,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.fast)
 
 
-@pytest.fixture(scope="session")
-def wikitext() -> Path:
-    """wikitext-2's test split from ../shared/data (a clear failure if the checkout has no shared/)."""
+def wikitext_path() -> Path:
+    """wikitext-2's test split from ../shared/data (a clear failure if the checkout has no shared/). For
+    helpers that are not fixtures (`from tests.conftest import wikitext_path`); tests take the fixture."""
     if not WIKITEXT.is_file():
         pytest.fail(f"{WIKITEXT} is missing: the tests read wikitext-2 from ../shared/data beside the checkout.")
     return WIKITEXT
+
+
+@pytest.fixture(scope="session")
+def wikitext() -> Path:
+    """wikitext-2's test split (wikitext_path)."""
+    return wikitext_path()

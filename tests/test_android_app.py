@@ -12,10 +12,11 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.native_build import run, tiny_pte_fixtures
 
 REPO = Path(__file__).resolve().parent.parent
 APP = REPO / "android_demo" / "app"
@@ -26,14 +27,6 @@ KOTLIN_VERSION = "2.1.20"  # the app's Kotlin (android_demo/build.gradle.kts)
 KOTLINC_DIR = REPO / "build" / "kotlinc"
 OUT = REPO / "build" / "android-app-jvm"
 
-sys.path.insert(0, str(NATIVE / "tests"))
-
-
-def run(cmd, timeout=900, **kw):
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, **kw)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{out[-4000:]}"
-    return out
 
 
 def kotlin_home() -> Path:
@@ -83,13 +76,11 @@ def test_app_logic_on_host_jvm(classes):
 
 
 @pytest.fixture(scope="module")
-def runner_fixtures(tmp_path_factory):
+def runner_fixtures(tmp_path_factory, wikitext):
     """The tiny .pte (make_fixtures.py) twice: as exported, and with a chat template and stop ids in its
     manifest (the fields export writes into pagedkv.json)."""
-    import make_fixtures
-
     out = tmp_path_factory.mktemp("android-app-fixtures")
-    assert make_fixtures.main([str(out / "plain")]) == 0
+    tiny_pte_fixtures(out / "plain", wikitext)
     shutil.copytree(out / "plain", out / "templated")
     path = out / "templated" / "artifacts" / "pagedkv.json"
     m = json.loads(path.read_text())

@@ -10,33 +10,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-NATIVE = REPO / "android_demo" / "native"
-CI = NATIVE / "ci_build.sh"
-HOST = REPO / "build" / "android-host"
-APT = "apt-get install -y cmake g++ openjdk-17-jdk-headless g++-aarch64-linux-gnu qemu-user-static adb"
-
-sys.path.insert(0, str(NATIVE / "tests"))
-
-
-def need(*tools):
-    missing = [t for t in tools if shutil.which(t) is None]
-    if missing:
-        pytest.fail(f"{', '.join(missing)} not installed: {APT}")
-
-
-def run(cmd, timeout=900, **kw):
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, **kw)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{out[-4000:]}"
-    return out
+from tests.native_build import CI, NATIVE, build, need, run, tiny_pte_fixtures
 
 
 def summary(out: str) -> list[tuple[int, int]]:
@@ -46,18 +25,13 @@ def summary(out: str) -> list[tuple[int, int]]:
 @pytest.fixture(scope="module")
 def host_build():
     need("g++", "javac", "java")
-    run(["bash", CI, "host"])
-    return HOST
+    return build("host")
 
 
 @pytest.fixture(scope="module")
-def fixtures(tmp_path_factory):
+def fixtures(tmp_path_factory, wikitext):
     """A tiny llama exported to .pte with an fp32 pool + HF's greedy tokens (make_fixtures.py)."""
-    import make_fixtures
-
-    out = tmp_path_factory.mktemp("android-fixtures")
-    assert make_fixtures.main([str(out)]) == 0
-    return out
+    return tiny_pte_fixtures(tmp_path_factory.mktemp("android-fixtures"), wikitext)
 
 
 def expected(fixtures):
@@ -163,19 +137,18 @@ def test_aarch64_under_qemu(fixtures):
     """Cross-built with Debian's clang for aarch64 (the NDK's compiler is clang) with -Werror, linked with
     --no-undefined and 16 KB pages against the aarch64 executorch wheel; run twice under qemu."""
     need("clang++", "ld.lld", "aarch64-linux-gnu-g++", "qemu-aarch64-static", "javac", "readelf")
-    run(["bash", CI, "cross"], timeout=1800)
-    build = REPO / "build" / "android-aarch64"
-    flags = (build / "CMakeCache.txt").read_text()
+    cross = build("cross")
+    flags = (cross / "CMakeCache.txt").read_text()
     assert "PAGEDKV_WERROR:BOOL=ON" in flags
     for name in ("libpagedkv_runner.so", "libpagedkv_jni.so"):
-        lib = build / name
+        lib = cross / name
         assert re.search(r"Machine:\s+AArch64", run(["readelf", "-h", lib]))
         assert "clang version" in run(["readelf", "-p", ".comment", lib])  # built by clang, not g++
         # Android 15's 16 KB pages: every LOAD segment aligned to 16 KB, offset and address congruent
         for off, vaddr, align in load_segments(lib):
             assert align >= 16384 and align % 16384 == 0 and off % 16384 == vaddr % 16384, (name, off, vaddr, align)
         # --no-undefined: the link itself fails on an unresolved symbol; check it is on the link line too
-        link = (build / "CMakeFiles" / f"{name[3:-3]}.dir" / "link.txt").read_text()
+        link = (cross / "CMakeFiles" / f"{name[3:-3]}.dir" / "link.txt").read_text()
         assert "--no-undefined" in link and "max-page-size=16384" in link, link
     out = run(["bash", CI, "test-cross", fixtures], timeout=1800)
     results = summary(out)

@@ -14,7 +14,6 @@ from toolkit.manifest import DIGEST_NAME, MANIFEST_NAME, sha256_bytes
 from toolkit.tiny_models import tiny_bpe_tokenizer, tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
-WIKI = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 PAGEDKV = [sys.executable, "-m", "toolkit.cli"]
 
 
@@ -29,8 +28,8 @@ def pagedkv(*args, stdin=None, env=None, check=True):
 
 
 @pytest.fixture(scope="module")
-def art(tmp_path_factory):
-    lines = [ln for ln in WIKI.read_text(encoding="utf-8").splitlines() if ln.strip()][:2000]
+def art(tmp_path_factory, wikitext):
+    lines = [ln for ln in wikitext.read_text(encoding="utf-8").splitlines() if ln.strip()][:2000]
     out = tmp_path_factory.mktemp("cli") / "tiny"
     export_artifacts("tiny-llama", out, ("onnx", "pte"), "default", PoolRequest(pool_tokens=512, max_seqs=3),
                      max_tokens_per_call=32, model_and_tokenizer=(tiny_model("llama"), tiny_bpe_tokenizer(lines)))
@@ -125,10 +124,10 @@ def test_export_of_model_dir_without_weights(tmp_path):
     assert not (tmp_path / "out" / "model.onnx").exists()
 
 
-def test_export_rejects_bad_spec_and_block_size(tmp_path):
+def test_export_rejects_bad_spec_and_block_size(tmp_path, wikitext):
     d = tmp_path / "m"
     tiny_model("llama").save_pretrained(d)
-    lines = [ln for ln in WIKI.read_text(encoding="utf-8").splitlines() if ln.strip()][:200]
+    lines = [ln for ln in wikitext.read_text(encoding="utf-8").splitlines() if ln.strip()][:200]
     tiny_bpe_tokenizer(lines).save_pretrained(d)
     proc = pagedkv("export", d, "--out", tmp_path / "o", "--spec", "default:k_group=48,v_group=48", check=False)
     assert proc.returncode == 2 and "does not divide head_dim=64" in " ".join(proc.stderr.split())

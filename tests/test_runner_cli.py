@@ -11,38 +11,15 @@ import json
 import os
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-NATIVE = REPO / "android_demo" / "native"
-CI = NATIVE / "ci_build.sh"
-WIKI = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
-APT = "apt-get install -y cmake g++ openjdk-17-jdk-headless g++-aarch64-linux-gnu qemu-user-static"
-
-sys.path.insert(0, str(NATIVE / "tests"))
-
-
-def need(*tools):
-    missing = [t for t in tools if shutil.which(t) is None]
-    if missing:
-        pytest.fail(f"{', '.join(missing)} not installed: {APT}")
-
-
-def build(kind: str) -> Path:
-    proc = subprocess.run(["bash", str(CI), kind], capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return REPO / "build" / ("android-host" if kind == "host" else "android-aarch64")
+from tests.native_build import REPO, build, need, tiny_pte_fixtures
 
 
 @pytest.fixture(scope="module")
-def fixtures(tmp_path_factory):
-    import make_fixtures
-
-    out = tmp_path_factory.mktemp("runner-cli-fixtures")
-    assert make_fixtures.main([str(out)]) == 0
+def fixtures(tmp_path_factory, wikitext):
+    out = tiny_pte_fixtures(tmp_path_factory.mktemp("runner-cli-fixtures"), wikitext)
     case = json.loads((out / "expected.json").read_text())["cases"][0]
     (out / "prompt.txt").write_text(case["prompt"], encoding="utf-8")
     return out, case
@@ -139,7 +116,7 @@ def test_cli_bad_input_one_line_exit_2(host_cli, fixtures, args, needle):
     assert len(err) == 1 and needle in err[0], p.stderr
 
 
-def test_cli_missing_artifacts_and_pool_too_small(host_cli, fixtures, tmp_path):
+def test_cli_missing_artifacts_and_pool_too_small(host_cli, fixtures, tmp_path, wikitext):
     out, case = fixtures
     p = subprocess.run([str(host_cli), str(tmp_path), "--prompt-file", str(out / "prompt.txt"), "--ctx", "4",
                         "--decode", "2"], capture_output=True, text=True, timeout=600)
@@ -147,7 +124,7 @@ def test_cli_missing_artifacts_and_pool_too_small(host_cli, fixtures, tmp_path):
     # the fixture's pool holds 512 tokens: 500 + 24 do not fit, said before anything is generated
     man = json.loads((out / "artifacts" / "pagedkv.json").read_text())["pool"]
     assert man["num_blocks"] * man["block_size"] == 512
-    p = subprocess.run([str(host_cli), str(out / "artifacts"), "--prompt-file", str(WIKI), "--ctx", "500",
+    p = subprocess.run([str(host_cli), str(out / "artifacts"), "--prompt-file", str(wikitext), "--ctx", "500",
                         "--decode", "24", "--json"], capture_output=True, text=True, timeout=600)
     assert p.returncode == 2 and "do not fit the pool: 32 usable blocks of 16 tokens (512 tokens)" in p.stderr, p.stderr
     assert p.stdout == ""
@@ -167,7 +144,7 @@ def test_cli_aarch64_under_qemu(fixtures):
     assert r["weights_file_resident_bytes"] > 0 and r["peak_rss_bytes"] > 0
 
 
-def test_cli_runs_8da4w_e8_with_embedding_byte(host_cli, fixtures, tmp_path):
+def test_cli_runs_8da4w_e8_with_embedding_byte(host_cli, fixtures, tmp_path, wikitext):
     """.pte weights 8da4w-e8: the token embedding is int8 (quantized_decomposed::embedding_byte, linked
     into the runner); the runner's greedy tokens equal runtime_sim's on the same program."""
     import make_fixtures
@@ -178,7 +155,7 @@ def test_cli_runs_8da4w_e8_with_embedding_byte(host_cli, fixtures, tmp_path):
     from toolkit.tiny_models import tiny_model
 
     art = tmp_path / "e8"
-    tok = make_fixtures.tiny_bpe_tokenizer()
+    tok = make_fixtures.tiny_bpe_tokenizer(wikitext)
     export_artifacts("tiny-llama", art, formats=("pte",), spec="fp32",
                      pool=PoolRequest(pool_tokens=512, max_seqs=2, block_size=16), max_tokens_per_call=32,
                      model_and_tokenizer=(tiny_model("llama"), tok), pte_weights="8da4w-e8")

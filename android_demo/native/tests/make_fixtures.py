@@ -1,7 +1,9 @@
 """Fixtures for the native runner's tests: a byte-level BPE tokenizer trained with HF `tokenizers`
 on wikitext, a tiny llama exported to .pte (fp32 pool) with it, and HF's greedy tokens.
 
-    python android_demo/native/tests/make_fixtures.py OUT_DIR [--spec fp32] [--pool-tokens N]
+    python android_demo/native/tests/make_fixtures.py OUT_DIR --text WIKI_TEST_RAW [--spec fp32] [--pool-tokens N]
+
+WIKI_TEST_RAW is wikitext-2's wiki.test.raw (the tests pass tests/conftest.py's wikitext fixture).
 
 Writes OUT_DIR/artifacts (model.pte, pagedkv.json, tokenizer files) and OUT_DIR/expected.json.
 """
@@ -12,7 +14,6 @@ import argparse
 import json
 from pathlib import Path
 
-WIKI = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 PROMPTS = [
     "The tower is 324 metres tall, about the same height as an 81-storey building.",
     " Valkyria Chronicles III is a tactical role @-@ playing video game",
@@ -20,16 +21,16 @@ PROMPTS = [
 ]
 
 
-def wiki_lines(limit: int | None = None) -> list[str]:
-    lines = [ln for ln in WIKI.read_text(encoding="utf-8").splitlines() if ln.strip()]
+def text_lines(text: Path, limit: int | None = None) -> list[str]:
+    lines = [ln for ln in Path(text).read_text(encoding="utf-8").splitlines() if ln.strip()]
     return lines[:limit] if limit else lines
 
 
-def tiny_bpe_tokenizer(vocab_size: int = 512):
-    """The tiny models' byte-level BPE, trained on the first 3000 wikitext lines."""
+def tiny_bpe_tokenizer(text: Path, vocab_size: int = 512):
+    """The tiny models' byte-level BPE, trained on the first 3000 non-empty lines of text (wikitext)."""
     from toolkit.tiny_models import tiny_bpe_tokenizer as train
 
-    return train(wiki_lines(3000), vocab_size)
+    return train(text_lines(text, 3000), vocab_size)
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
@@ -50,6 +51,7 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
+    ap.add_argument("--text", type=Path, required=True, help="wikitext-2's wiki.test.raw (trains the tokenizer)")
     ap.add_argument("--spec", default="fp32")
     ap.add_argument("--pool-tokens", type=int, default=512)
     ap.add_argument("--max-seqs", type=int, default=2)
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
     from toolkit.tiny_models import tiny_model
 
     a.out.mkdir(parents=True, exist_ok=True)
-    tok = tiny_bpe_tokenizer()
+    tok = tiny_bpe_tokenizer(a.text)
     model = tiny_model("llama")
     art = a.out / "artifacts"
     export_artifacts(
