@@ -26,10 +26,10 @@ from toolkit.manifest import (
 )
 from toolkit.pool_layout import PoolLayout
 from toolkit.kv_spec import KVQuantSpec
+from tests.conftest import wikitext_path
 from toolkit.tiny_models import tiny_bpe_tokenizer, tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
-WIKI = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 PAGEDKV = [sys.executable, "-m", "toolkit.cli"]
 # a template that insists on alternating user/assistant roles (as Mistral's and Gemma's do)
 ALTERNATING = (
@@ -93,7 +93,7 @@ def load(art: Path) -> dict:
 
 
 def tokenizer():
-    lines = [ln for ln in WIKI.read_text(encoding="utf-8").splitlines() if ln.strip()][:500]
+    lines = [ln for ln in wikitext_path().read_text(encoding="utf-8").splitlines() if ln.strip()][:500]
     return tiny_bpe_tokenizer(lines)
 
 

@@ -22,7 +22,6 @@ from toolkit.errors import PagedKVError, PoolExhausted
 from toolkit.tiny_models import tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
-WIKI = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 PROMPT = list(range(3, 43))  # 40 tokens: 2 full blocks and a partial one
 
 
@@ -273,12 +272,12 @@ def test_write_is_atomic(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def exported(tmp_path_factory, wikitext):
     from export.artifacts import PoolRequest, export_artifacts
 
     from toolkit.tiny_models import tiny_bpe_tokenizer
 
-    lines = [ln for ln in WIKI.read_text(encoding="utf-8").splitlines() if ln.strip()][:2000]
+    lines = [ln for ln in wikitext.read_text(encoding="utf-8").splitlines() if ln.strip()][:2000]
     out = tmp_path_factory.mktemp("exported") / "tiny"
     export_artifacts("tiny-llama", out, ("onnx", "pte"), "default", PoolRequest(pool_tokens=256, max_seqs=2),
                      max_tokens_per_call=32, model_and_tokenizer=(tiny_model("llama"), tiny_bpe_tokenizer(lines)))
