@@ -22,11 +22,9 @@ import pytest
 import torch
 
 from tests.helpers import hf_greedy
+from tests.native_build import build, need
 from toolkit.block_pool import dead_blocks, window_blocks_needed
 
-REPO = Path(__file__).resolve().parent.parent
-CI = REPO / "android_demo" / "native" / "ci_build.sh"
-APT = "apt-get install -y cmake g++ openjdk-17-jdk-headless"
 BS = 16
 CALL = 16  # max_tokens_per_call of the exports: the runner prefills in calls of 16 tokens
 PROMPT, DECODE = 70, 60  # 130 tokens: 8 windows of 16, 4 of 32
@@ -54,12 +52,8 @@ def tiny(family: str, window: int):
 
 @pytest.fixture(scope="module")
 def host_cli():
-    missing = [t for t in ("g++", "javac", "cmake") if shutil.which(t) is None]
-    if missing:
-        pytest.fail(f"{', '.join(missing)} not installed: {APT}")
-    proc = subprocess.run(["bash", str(CI), "host"], capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return REPO / "build" / "android-host" / "pagedkv-runner"
+    need("g++", "javac", "cmake")
+    return build("host") / "pagedkv-runner"
 
 
 @pytest.fixture(scope="module")
