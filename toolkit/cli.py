@@ -177,7 +177,7 @@ def eval_(
         artifacts.insert(0, Path(model).expanduser())
         model = read_artifact_manifest(artifacts[0])["model"]["name"]
     # every manifest before the model loads: a wrong dir fails at once
-    kv_specs = [spec_name(layout_from_manifest(read_artifact_manifest(a)).spec) for a in artifacts]
+    kv_specs = [spec_name(layout_from_manifest(read_artifact_manifest(a, backend)).spec) for a in artifacts]
     text = Path(text)
     if not text.is_file():
         raise ArtifactError(f"text file {text} does not exist: pass --text FILE with a UTF-8 text.")

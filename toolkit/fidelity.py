@@ -204,9 +204,10 @@ def score_windows(runners, ids: torch.Tensor, ctx: int, windows: int, bos_id: in
 # Exported artifacts as rows
 
 
-def read_artifact_manifest(art_dir) -> dict:
+def read_artifact_manifest(art_dir, backend: str | None = None) -> dict:
     """The artifacts dir's validated manifest (toolkit.manifest.read_manifest: digest, sections, file
-    names), read before any model loads so that a wrong dir fails at once."""
+    names), with an artifact for `backend` when given; read before any model loads so that a wrong
+    dir fails at once."""
     from pathlib import Path
 
     from toolkit.manifest import read_manifest
@@ -214,7 +215,13 @@ def read_artifact_manifest(art_dir) -> dict:
     art_dir = Path(art_dir)
     if not art_dir.is_dir():
         raise ArtifactError(f"--artifacts {art_dir} is not a directory: give a directory made by `pagedkv export`.")
-    return read_manifest(art_dir, require=("model", "pool"))
+    manifest = read_manifest(art_dir, require=("model", "pool"))
+    kind = "pte" if backend == "executorch" else "onnx"
+    if backend is not None and kind not in manifest["artifacts"]:
+        have = ", ".join(manifest["artifacts"]) or "none"
+        fix = "pass --backend executorch" if "pte" in manifest["artifacts"] else "export it with --format " + kind
+        raise ArtifactError(f"{art_dir} has no {kind} artifact for the {backend} backend (it has: {have}): {fix}.")
+    return manifest
 
 
 def spec_name(spec) -> str:
@@ -288,12 +295,8 @@ def open_artifact(art_dir, model, model_name: str, ctx: int, backend: str = "onn
     from runtime_sim.session import open_artifacts  # lazily: toolkit imports nothing above it at import time
     from toolkit.manifest import check_same_model, weights_sha256
 
-    manifest = read_artifact_manifest(art_dir)
+    manifest = read_artifact_manifest(art_dir, backend)
     kind = "pte" if backend == "executorch" else "onnx"
-    if kind not in manifest["artifacts"]:
-        have = ", ".join(manifest["artifacts"]) or "none"
-        raise ArtifactError(f"{art_dir} has no {kind} artifact for the {backend} backend (it has: {have}): choose "
-                            "the backend of its format.")
     check_same_model(str(art_dir), manifest, model_name, model_identity(model), lambda: weights_sha256(model))
     pool = manifest["pool"]
     bs = pool["block_size"]
