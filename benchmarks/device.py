@@ -361,6 +361,8 @@ def main(argv=None) -> int:
     ap.add_argument("--export-timeout", type=int, default=5400)
     ap.add_argument("--run-timeout", type=int, default=1800)
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "device.json")
+    ap.add_argument("--resume", type=Path, metavar="PARTIAL_JSON",
+                    help="keep the runs of an interrupted run's --json .partial.json and measure only the rest")
     ap.add_argument("--reexport", action="store_true", help="export the artifacts again (after exporter changes)")
     ap.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
                     help="measure nothing: combine the rows of earlier --json files (runs split by system) into "
@@ -423,12 +425,19 @@ def main(argv=None) -> int:
             systems = [s for s in systems if not s.startswith("llamacpp")]
 
     runs: dict = {}
+    if args.resume:  # "system@ctx" -> the results measured before the interruption
+        for key, results in json.loads(args.resume.read_text()).items():
+            s, _, c = key.rpartition("@")
+            if s in systems and int(c) in args.ctx:
+                runs[(s, int(c))] = [r for r in results if not r.get("error")][: args.repeats]
     n, k = len(systems) * len(args.ctx) * args.repeats, 0
     for ci, ctx in enumerate(args.ctx):
         for rep in range(args.repeats):
             shift = (ci + rep) % max(1, len(systems))
             for s in systems[shift:] + systems[:shift]:
                 k += 1
+                if len(runs.get((s, ctx), [])) > rep:  # measured before (--resume)
+                    continue
                 log(f"[{k}/{n}] {s} ctx {ctx} (repeat {rep + 1})...")
                 res = run_one(s, ctx, args, ids_file, arts, gguf, venv / "bin" / "python")
                 if res.get("error"):
