@@ -2,6 +2,7 @@
 
     python benchmarks/weights_fidelity.py                          # onnx fp32, int4, int4-e4; ctx 512 x 8
     python benchmarks/weights_fidelity.py --weights fp32 --artifacts DIR [DIR ...]   # reuse exports
+    python benchmarks/weights_fidelity.py --weights fp32 int4 --variants int4-hqq int8  # candidate quantizers
 
 Each weight format is exported to ONNX with the KV spec (--spec, default "default") into a cache dir
 (reused while its manifest validates and names the same model, spec and weights), then scored by
@@ -59,6 +60,51 @@ def cached_export(model_name: str, model, tokenizer, weights: str, spec: str, po
     return out
 
 
+# Candidate int4/int8 weight quantizers that `pagedkv export` does not offer (yet), made from the fp32
+# export's model.onnx with onnxruntime's MatMulNBitsQuantizer, MatMul weights only (like "int4"):
+# name -> (bits, algorithm). "int4" itself is symmetric RTN, blocks of 32, accuracy_level 4.
+VARIANTS = {"int4-hqq": (4, "hqq"), "int8": (8, "rtn")}
+
+
+def variant_export(fp32_dir: Path, name: str) -> Path:
+    """A copy of the fp32 export with its MatMul weights requantized as VARIANTS[name] (cached; the
+    manifest is rewritten with the new file's sha256 and the variant's name as its weights)."""
+    import shutil
+
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    from toolkit.manifest import read_manifest, sha256_file, write_manifest
+
+    out = fp32_dir.parent / f"onnx-{name}"
+    try:
+        if read_manifest(out)["artifacts"]["onnx"]["weights"] == name and \
+                read_manifest(fp32_dir)["model"] == read_manifest(out)["model"]:
+            print(f"reusing {out}", file=sys.stderr)
+            return out
+    except Exception:  # noqa: BLE001  missing or stale: make it again
+        pass
+    t0 = time.perf_counter()
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(fp32_dir, out)
+    bits, algo = VARIANTS[name]
+    kw = dict(op_types_to_quantize=("MatMul",), quant_axes=(("MatMul", 0),))
+    model = onnx.load(str(out / "model.onnx"))
+    if algo == "hqq":
+        quant = MatMulNBitsQuantizer(model, block_size=32, algo_config=HQQWeightOnlyQuantConfig(block_size=32, bits=bits,
+                                                                                               **kw), **kw)
+    else:
+        quant = MatMulNBitsQuantizer(model, bits=bits, block_size=32, is_symmetric=True, accuracy_level=4, **kw)
+    quant.process()
+    onnx.save_model(quant.model.model, str(out / "model.onnx"))
+    m = read_manifest(out)
+    m["artifacts"]["onnx"].update(sha256=sha256_file(out / "model.onnx"), bytes=(out / "model.onnx").stat().st_size,
+                                  weights=name)
+    write_manifest(out, m)
+    print(f"made {out} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return out
+
+
 def weights_table(res: dict) -> str:
     head = ["row", "weights", "model file", "KV bytes vs fp16", "PPL", "PPL +%", "KLD", "top-1"]
     lines = ["| " + " | ".join(head) + " |", "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -79,6 +125,9 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", default="default", help="KV spec of the exports (and of the PyTorch row beside them)")
     ap.add_argument("--weights", nargs="*", default=["fp32", "int4", "int4-e4"],
                     help="ONNX weight formats to export (cached) and score (default: fp32 int4 int4-e4)")
+    ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
+                    help="candidate quantizers export does not offer, made from the fp32 export (needs fp32 in "
+                    "--weights): int4-hqq (HQQ 4-bit, blocks of 32), int8 (symmetric RTN, blocks of 32)")
     ap.add_argument("--artifacts", nargs="*", type=Path, default=[],
                     help="existing artifacts dirs of the same model to score as well")
     ap.add_argument("--pool-tokens", type=int, default=1024, help="pool of the exports (>= --ctx)")
@@ -97,7 +146,10 @@ def main(argv=None) -> int:
 
     model, tokenizer = load_model(args.model)
     arts = [cached_export(args.model, model, tokenizer, w, args.spec, args.pool_tokens, args.force_export)
-            for w in args.weights] + list(args.artifacts)
+            for w in args.weights]
+    if args.variants and "fp32" not in args.weights:
+        ap.error("--variants are made from the fp32 export: include fp32 in --weights")
+    arts += [variant_export(arts[args.weights.index("fp32")], v) for v in args.variants] + list(args.artifacts)
     model, tokenizer = load_model(args.model)  # a fresh copy: nothing an export did to the model stays
     ids = tokenize(tokenizer, args.text.read_text(encoding="utf-8"))
     bos_id = tokenizer_bos(tokenizer)
