@@ -14,6 +14,7 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import onnx
 import torch
 from onnx import helper
@@ -229,22 +230,130 @@ def fold_weight_transposes(model: onnx.ModelProto) -> int:
     return folded
 
 
-def quantize_weights_int4(path: Path, block_size: int = 32, embedding: bool = False) -> None:
-    """Rewrite the .onnx in place with MatMul weights as int4 MatMulNBits (onnxruntime's quantizer);
-    with embedding=True the token embedding's Gather too, as int4 GatherBlockQuantized (blocks of
-    block_size along the hidden dim: SmolLM2's 113 MB fp32 table becomes ~16 MB), and a tied head's
-    Transpose is folded first so that the head is int4 too and no fp32 copy of the table is left."""
+def _blocks(w_t: np.ndarray, block_size: int) -> np.ndarray:
+    """W^T [N, K] -> [N, ceil(K/bs), bs] blocks along K; a partial last block is padded with its last
+    value (so the padding adds no new level; MatMulNBits ignores the codes past K)."""
+    n, k = w_t.shape
+    pad = -k % block_size
+    if pad:
+        w_t = np.pad(w_t, ((0, 0), (0, pad)), mode="edge")
+    return w_t.reshape(n, -1, block_size)
+
+
+def _grid_steps(x: np.ndarray, levels: int = 16, tol: float = 1e-3) -> np.ndarray:
+    """Per block (rows of x [B, bs]): the step a of an affine grid lo + a*q (lo = the block's min,
+    q integer in 0..levels-1) that holds every value to within tol*a, or NaN where none was found.
+
+    GGUF's 4-bit types dequantize to such grids per 32 values (Q4_0: d*(q-8), Q4_1: d*q+m, Q4_K
+    sub-blocks: a*q+b). The candidate step is the smallest gap between distinct values, or a half or a
+    third of it when a level between two present ones is missing. A constant block gets NaN here
+    (it has no gap) and is exact through _constant_blocks."""
+    lo = x.min(axis=1, keepdims=True)
+    span = x.max(axis=1, keepdims=True) - lo
+    gaps = np.diff(np.sort(x, axis=1), axis=1)
+    gaps = np.where(gaps > tol * span, gaps, np.inf)  # equal values (up to rounding) are one level
+    g = gaps.min(axis=1, keepdims=True)
+    step = np.full(x.shape[0], np.nan, dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for div in (1, 2, 3):
+            a = g / div
+            k = (x - lo) / a
+            ok = np.all(np.abs(k - np.rint(k)) <= tol, axis=1) & (np.rint(k).max(axis=1) <= levels - 1)
+            ok &= np.isfinite(g[:, 0]) & np.isnan(step)
+            step[ok] = a[ok, 0]
+    return step
+
+
+def pack_int4_affine(w: np.ndarray, block_size: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """A MatMul weight W [K, N] -> MatMulNBits' (B uint8 [N, K/bs, bs/2], scales float32 [N*K/bs],
+    zero_points float32 [N*K/bs], number of exact blocks), with W[k, n] = scale * (q - zp) per block
+    of block_size along K.
+
+    A block already on a 16-level affine grid (_grid_steps) is stored exactly (up to float32 rounding
+    of scale*(q-zp)): scale = the step, zp = -min/step, codes = the grid indices. Any other block is
+    asymmetric round-to-nearest: scale = (max-min)/15, zp = -min/scale. A constant block c is exact:
+    q = 0, scale = |c| (1 for 0), zp = -c/scale. Low nibble = even k (ORT's order)."""
+    x = _blocks(np.asarray(w, dtype=np.float64).T, block_size)
+    n, nb, bs = x.shape
+    x = x.reshape(n * nb, bs)
+    lo = x.min(axis=1)
+    span = x.max(axis=1) - lo
+    step = _grid_steps(x)
+    exact = np.isfinite(step)
+    const = span == 0
+    scale = np.where(exact, step, span / 15)
+    codes = np.zeros_like(x)
+    live = ~const
+    codes[live] = np.clip(np.rint((x[live] - lo[live, None]) / scale[live, None]), 0, 15)
+    # exact blocks: refit the step over the widest code span (the gap alone carries float32 rounding)
+    top = codes.max(axis=1)
+    refit = exact & (top > 0)
+    scale[refit] = span[refit] / top[refit]
+    scale[const] = np.where(lo[const] == 0, 1.0, np.abs(lo[const]))
+    zp = -lo / scale
+    q = codes.astype(np.uint8).reshape(n, nb, bs)
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    return packed, scale.astype(np.float32), zp.astype(np.float32), int((exact | const).sum())
+
+
+def quantize_matmuls_int4(model: onnx.ModelProto, block_size: int = 32, accuracy_level: int = 4) -> dict:
+    """Every MatMul whose weight is a 2-D float32 initializer -> MatMulNBits (com.microsoft, bits=4,
+    float zero points) packed by pack_int4_affine. Weights that are no longer used are dropped.
+    Returns {"int4_blocks": total blocks, "int4_exact_blocks": blocks stored without rounding}."""
+    from onnx import numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    packed: dict[str, tuple[str, str, str]] = {}  # weight name -> (B, scales, zero_points) names
+    total = exact = 0
+    nodes = []
+    for node in model.graph.node:
+        w = inits.get(node.input[1]) if node.op_type == "MatMul" else None
+        if w is None or len(w.dims) != 2 or w.data_type != onnx.TensorProto.FLOAT:
+            nodes.append(node)
+            continue
+        k, n = w.dims
+        if w.name not in packed:
+            b, s, z, ex = pack_int4_affine(numpy_helper.to_array(w), block_size)
+            names = (f"{w.name}_Q4", f"{w.name}_scales", f"{w.name}_zp")
+            model.graph.initializer.extend(numpy_helper.from_array(a, nm) for a, nm in zip((b, s, z), names))
+            packed[w.name] = names
+            total += s.size
+            exact += ex
+        nodes.append(helper.make_node("MatMulNBits", [node.input[0], *packed[w.name]], list(node.output),
+                                      name=f"{node.name}_Q4", domain="com.microsoft", K=k, N=n, bits=4,
+                                      block_size=block_size, accuracy_level=accuracy_level))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    used = {x for nd in model.graph.node for x in nd.input} | {o.name for o in model.graph.output}
+    keep = [i for i in model.graph.initializer if i.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+    if packed and not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return {"int4_blocks": total, "int4_exact_blocks": exact}
+
+
+def quantize_weights_int4(path: Path, block_size: int = 32, embedding: bool = False) -> dict:
+    """Rewrite the .onnx in place with MatMul weights as int4 MatMulNBits (quantize_matmuls_int4:
+    lossless for weights that already lie on a 4-bit grid, such as a GGUF Q4 model's dequantization);
+    with embedding=True the token embedding's Gather too, as int4 GatherBlockQuantized by onnxruntime's
+    quantizer (blocks of block_size along the hidden dim: SmolLM2's 113 MB fp32 table becomes ~16 MB),
+    and a tied head's Transpose is folded first so that the head is int4 too and no fp32 copy of the
+    table is left. Returns quantize_matmuls_int4's block counts."""
     import logging
 
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
-    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     model = onnx.load(str(path))
     if embedding:
         fold_weight_transposes(model)
-    ops = ("MatMul", "Gather") if embedding else ("MatMul",)
-    quant = MatMulNBitsQuantizer(model, block_size=block_size, is_symmetric=True, accuracy_level=4,
-                                 op_types_to_quantize=ops, quant_axes=(("MatMul", 0), ("Gather", 1)))
-    quant.process()
-    onnx.save_model(quant.model.model, str(path))
+    stats = quantize_matmuls_int4(model, block_size)
+    if embedding:
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+        logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+        quant = MatMulNBitsQuantizer(model, block_size=block_size, is_symmetric=True, accuracy_level=4,
+                                     op_types_to_quantize=("Gather",), quant_axes=(("Gather", 1),))
+        quant.process()
+        model = quant.model.model
+    onnx.save_model(model, str(path))
+    return stats
