@@ -304,7 +304,9 @@ def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, o
 
                     say("quantizing MatMul weights to int4 (MatMulNBits)" +
                         (" and the embedding (GatherBlockQuantized)" if onnx_weights == "int4-e4" else ""))
-                    quantize_weights_int4(out / "model.onnx", embedding=onnx_weights == "int4-e4")
+                    entry.update(quantize_weights_int4(out / "model.onnx", embedding=onnx_weights == "int4-e4"))
+                    say(f"int4: {entry['int4_exact_blocks']} of {entry['int4_blocks']} MatMul weight blocks were "
+                        "on a 4-bit grid (stored exactly), the rest rounded to nearest")
                 entry["weights"] = onnx_weights
             else:
                 from export.executorch_export import export_pte
