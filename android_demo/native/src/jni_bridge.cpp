@@ -138,6 +138,16 @@ JNIEXPORT void JNI_FN(nativeCloseConversation)(JNIEnv* env, jclass, jlong h, jin
   guarded(env, 0, [&] { checked(env, h)->close(conv); return 0; });
 }
 
+// Conversation files (Runner::save / Runner::restore): save returns the file's size; restore the new
+// conversation's id. A bad file throws PagedKVException (or PoolExhaustedException) with one line.
+JNIEXPORT jlong JNI_FN(nativeSave)(JNIEnv* env, jclass, jlong h, jint conv, jstring path) {
+  return guarded(env, jlong(-1), [&] { return static_cast<jlong>(checked(env, h)->save(conv, from_jstring(env, path))); });
+}
+
+JNIEXPORT jint JNI_FN(nativeRestore)(JNIEnv* env, jclass, jlong h, jstring path) {
+  return guarded(env, jint(-1), [&] { return static_cast<jint>(checked(env, h)->restore(from_jstring(env, path))); });
+}
+
 }  // extern "C"
 
 namespace {

@@ -18,6 +18,7 @@
 #include <executorch/runtime/core/hierarchical_allocator.h>
 
 #include "chat_template.h"
+#include "conversation_file.h"
 #include "json.h"
 #include "pagedkv_core.h"
 
@@ -32,6 +33,10 @@ class ThreadPool {
 };
 ThreadPool* get_threadpool();
 }  // namespace executorch::extension::threadpool
+
+// The kernel library (toolkit/csrc/et_kernel.cpp, linked into this runner) remembers where each layer's
+// pool tensors (0 codes, 1 scales, 2 stage) lived in its most recent call: the program's planned buffers.
+extern "C" int pagedkv_et_pool_view(int64_t layer, int which, void** data, int64_t* nbytes);
 
 namespace pagedkv_rt {
 
@@ -79,6 +84,13 @@ struct Runner::Impl {
   int layers_per_arena = 1, max_tokens_per_call = 0, max_blocks_per_seq = 0, vocab_size = 0;
   int64_t bytes_per_token = 0, stage_bytes_per_seq = 0, codes_bytes_per_layer = 0;
   int64_t pool_fixed_bytes = 0;  // pool bytes that do not depend on the block count (stage rows, placeholders)
+  // what a conversation file must match (toolkit/CONVERSATION_FORMAT.md): the .pte's sha256, the spec,
+  // the record sizes; sha_known is false for a manifest without the .pte's sha256 (save/restore refuse)
+  std::array<uint8_t, 32> model_sha{};
+  bool sha_known = false;
+  ConvSpec conv_spec;
+  uint32_t codes_itemsize = 1, code_bytes = 0, scale_bytes = 0;
+  bool has_stage = false;
   // memory
   std::vector<std::unique_ptr<Arena>> arenas;  // index i = memory id i + 1 (0: activations)
   std::vector<et::Span<uint8_t>> spans;
@@ -255,6 +267,7 @@ struct Runner::Impl {
       int64_t stage_n = 1;
       for (const Json& d : pool["stage_shape"].items()) stage_n *= d.as_int();
       stage_bytes_per_seq = stage_rows > 1 ? stage_n / stage_rows * 2 * num_layers : 0;
+      load_record_format(pool, elem);
       const Json* pte = m["artifacts"].find("pte");
       if (!pte)
         throw RunnerError(ErrorCode::kArtifact, dir + " has no .pte artifact: export it with `pagedkv export --format pte`.");
@@ -270,6 +283,7 @@ struct Runner::Impl {
       if (const Json* tf = m.find("tokenizer_files"))
         for (const Json& e : tf->items()) tokenizer_files.push_back(e.as_string());
       pte_file = (*pte)["file"].as_string();
+      if (const Json* sha = pte->find("sha256"); sha && sha->is_string()) sha_known = parse_sha256(sha->as_string());
       load_groups(m, *pte, dir);
     } catch (const RunnerError&) {
       throw;
@@ -278,6 +292,110 @@ struct Runner::Impl {
                                                   "): re-run `pagedkv export --format pte`.");
     }
   }
+  // The spec and record sizes of the pool (a conversation file must have the same ones).
+  void load_record_format(const Json& pool, int64_t elem) {
+    const Json& sp = pool["spec"];
+    auto num = [&](const char* k) -> uint32_t {
+      const Json& v = sp[k];
+      return v.is_number() ? static_cast<uint32_t>(v.as_int()) : (v.as_bool() ? 1u : 0u);
+    };
+    conv_spec = ConvSpec{num("k_bits"), num("v_bits"), num("k_group"), num("v_group"), num("k_sym"),
+                         num("v_sym"), num("rotate"), num("fp_tail"), num("sink_blocks")};
+    const bool is_float = conv_spec.k_bits == 16 || conv_spec.k_bits == 32;
+    codes_itemsize = static_cast<uint32_t>(elem);
+    code_bytes = static_cast<uint32_t>(pool["codes_shape"].items().back().as_int() * elem);
+    scale_bytes = is_float ? 0 : static_cast<uint32_t>(pool["scales_shape"].items().back().as_int() * 2);
+    has_stage = !is_float && (conv_spec.fp_tail || conv_spec.sink_blocks);
+  }
+
+  bool parse_sha256(const std::string& hex) {
+    if (hex.size() != 64) return false;
+    for (size_t i = 0; i < 32; ++i) {
+      unsigned v = 0;
+      for (size_t k = 0; k < 2; ++k) {
+        const char ch = hex[2 * i + k];
+        const int d = ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10
+                    : ch >= 'A' && ch <= 'F' ? ch - 'A' + 10 : -1;
+        if (d < 0) return false;
+        v = v * 16 + static_cast<unsigned>(d);
+      }
+      model_sha[i] = static_cast<uint8_t>(v);
+    }
+    return true;
+  }
+
+  // The pool as a conversation file without tokens or blocks (what a file must match).
+  ConversationFile describe_pool() const {
+    ConversationFile f;
+    f.model_sha256 = model_sha;
+    f.num_layers = static_cast<uint32_t>(num_layers);
+    f.num_kv_heads = static_cast<uint32_t>(kv_heads);
+    f.head_dim = static_cast<uint32_t>(head_dim);
+    f.block_size = static_cast<uint32_t>(block_size);
+    f.spec = conv_spec;
+    f.codes_itemsize = codes_itemsize;
+    f.code_bytes = code_bytes;
+    f.scale_bytes = scale_bytes;
+    f.has_stage = has_stage;
+    for (const LayerGroup& g : groups) {
+      ConvGroup cg;
+      cg.window = static_cast<uint32_t>(g.window);
+      for (int l : g.layers) cg.layers.push_back(static_cast<uint32_t>(l));
+      f.groups.push_back(cg);
+    }
+    return f;
+  }
+
+  // Where each layer's pool tensors are: codes, scales, stage (the kernel library's record of its last
+  // call, checked to lie inside this runner's own arenas with the sizes the manifest implies).
+  struct LayerPool {
+    uint8_t* codes = nullptr;
+    uint8_t* scales = nullptr;
+    uint8_t* stage = nullptr;
+  };
+  bool pool_views(std::vector<LayerPool>* out) const {
+    out->assign(static_cast<size_t>(num_layers), LayerPool{});
+    const size_t rec = static_cast<size_t>(kv_heads) * block_size;
+    const size_t stage_one = static_cast<size_t>(2 * 2) * kv_heads * block_size * head_dim * 2;
+    for (int l = 0; l < num_layers; ++l) {
+      const size_t nb = static_cast<size_t>(groups[static_cast<size_t>(layer_group[static_cast<size_t>(l)])].num_blocks);
+      const size_t want[3] = {nb * rec * code_bytes, scale_bytes ? nb * rec * scale_bytes : 2,
+                              (has_stage ? static_cast<size_t>(max_seqs) : 1) * stage_one};
+      uint8_t** dst[3] = {&(*out)[static_cast<size_t>(l)].codes, &(*out)[static_cast<size_t>(l)].scales,
+                          &(*out)[static_cast<size_t>(l)].stage};
+      for (int w = 0; w < 3; ++w) {
+        void* p = nullptr;
+        int64_t n = 0;
+        if (!pagedkv_et_pool_view(l, w, &p, &n) || static_cast<size_t>(n) != want[w]) return false;
+        bool inside = false;
+        for (size_t a = 1; a < arenas.size() && !inside; ++a)
+          inside = static_cast<uint8_t*>(p) >= arenas[a]->ptr &&
+                   static_cast<uint8_t*>(p) + n <= arenas[a]->ptr + arenas[a]->size;
+        if (!inside) return false;  // another program ran last in this process
+        *dst[w] = static_cast<uint8_t*>(p);
+      }
+    }
+    return true;
+  }
+  // pool_views, running one scratch step (token 0 on a fresh sequence slot, released at once) if the
+  // kernels have not run in this runner yet: it writes only a free block and a free slot's stage rows.
+  std::vector<LayerPool> ensure_pool_views() {
+    std::vector<LayerPool> v;
+    if (pool_views(&v)) return v;
+    Conv scratch{pool->new_sequence(), {}, {}, {}};
+    try {
+      step(scratch, {0});
+    } catch (...) {
+      pool->release(scratch.seq);
+      throw;
+    }
+    pool->release(scratch.seq);
+    if (!pool_views(&v))
+      throw RunnerError(ErrorCode::kState, "the kernels' pool buffers are not this runner's: save or restore from the "
+                                           "process that runs this runner only.");
+    return v;
+  }
+
   // The manifest's "groups" entry (runtime_sim.session.manifest_groups): [{"window", "layers", "num_blocks"}],
   // the layers of every group covering each layer once; absent for a model without sliding layers (one
   // global group of the pool's blocks). The .pte's inputs must be the tables those groups imply.
@@ -622,6 +740,193 @@ void Runner::close(int conv) {
 int Runner::conversation_length(int conv) const {
   std::lock_guard<std::mutex> g(impl_->mu);
   return impl_->pool->length(impl_->conv(conv).seq);
+}
+
+// A JSON string literal (the chat messages in a conversation file's app bytes).
+static std::string json_quote(const std::string& s) {
+  std::string o = "\"";
+  for (unsigned char ch : s) {
+    if (ch == '"' || ch == '\\') {
+      o += '\\';
+      o += static_cast<char>(ch);
+    } else if (ch < 0x20) {
+      char b[8];
+      std::snprintf(b, sizeof b, "\\u%04x", ch);
+      o += b;
+    } else {
+      o += static_cast<char>(ch);
+    }
+  }
+  return o + "\"";
+}
+
+std::vector<int32_t> Runner::conversation_tokens(int conv) const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  const auto& c = impl_->conv(conv);
+  std::vector<int32_t> out = c.history;
+  out.insert(out.end(), c.pending.begin(), c.pending.end());
+  return out;
+}
+
+int64_t Runner::save(int conv, const std::string& path) {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  Impl& m = *impl_;
+  Impl::Conv& c = m.conv(conv);
+  if (!m.sha_known)
+    throw RunnerError(ErrorCode::kArtifact, "pagedkv.json has no sha256 for the .pte, which a conversation file "
+                                            "names its model by: re-run `pagedkv export --format pte`.");
+  const int n = m.pool->length(c.seq);
+  if (n != static_cast<int>(c.history.size()))
+    throw RunnerError(ErrorCode::kState, "conversation " + std::to_string(conv) + " is in the middle of a step: save it between turns.");
+  ConversationFile f = m.describe_pool();
+  f.tokens = c.history;
+  f.pending = c.pending;
+  // the chat's messages, as `pagedkv chat` stores them (runtime_sim/chat.py ChatSession.save)
+  f.app = "{\"system_prompt\": null, \"messages\": [";
+  for (size_t i = 0; i < c.messages.size(); ++i)
+    f.app += (i ? ", " : "") + std::string("{\"role\": ") + json_quote(c.messages[i].first) +
+             ", \"content\": " + json_quote(c.messages[i].second) + "}";
+  f.app += "]}";
+  const int nb = (n + m.block_size - 1) / m.block_size;
+  std::vector<Impl::LayerPool> views;
+  if (nb || m.has_stage) views = m.ensure_pool_views();
+  const size_t rec = static_cast<size_t>(m.kv_heads) * m.block_size;
+  f.codes.resize(f.num_layers);
+  f.scales.resize(f.num_layers);
+  for (size_t gi = 0; gi < m.groups.size(); ++gi) {
+    const auto& table = m.pool->pool(gi).blocks(c.seq);
+    ConvGroup& cg = f.groups[gi];
+    for (int i = 0; i < nb; ++i)
+      cg.present.push_back(i < static_cast<int>(table.size()) && table[static_cast<size_t>(i)] >= 0 ? 1 : 0);
+    for (int l : m.groups[gi].layers) {
+      const Impl::LayerPool& v = views[static_cast<size_t>(l)];
+      for (int i = 0; i < nb; ++i) {
+        if (!cg.present[static_cast<size_t>(i)]) continue;
+        const size_t b = static_cast<size_t>(table[static_cast<size_t>(i)]);
+        f.codes[static_cast<size_t>(l)].insert(f.codes[static_cast<size_t>(l)].end(), v.codes + b * rec * m.code_bytes,
+                                               v.codes + (b + 1) * rec * m.code_bytes);
+        if (m.scale_bytes)
+          f.scales[static_cast<size_t>(l)].insert(f.scales[static_cast<size_t>(l)].end(),
+                                                  v.scales + b * rec * m.scale_bytes, v.scales + (b + 1) * rec * m.scale_bytes);
+      }
+    }
+  }
+  if (m.has_stage) {
+    const size_t sb = f.stage_bytes();
+    for (int l = 0; l < m.num_layers; ++l) {
+      const uint8_t* p = views[static_cast<size_t>(l)].stage + static_cast<size_t>(c.seq) * sb;
+      f.stage.emplace_back(p, p + sb);
+    }
+  }
+  const int64_t size = static_cast<int64_t>(write_conversation_file(path, f));
+  m.refresh_stats();
+  return size;
+}
+
+int Runner::restore(const std::string& path) {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  Impl& m = *impl_;
+  if (!m.sha_known)
+    throw RunnerError(ErrorCode::kArtifact, "pagedkv.json has no sha256 for the .pte, which a conversation file "
+                                            "names its model by: re-run `pagedkv export --format pte`.");
+  // every check before the pool changes
+  ConversationFile f = read_conversation_file(path);
+  check_conversation_compatible(f, m.describe_pool(), path);
+  auto bad = [&](const std::string& what) {
+    return RunnerError(ErrorCode::kArgument, "conversation file " + path + " " + what +
+                                                 ": it cannot be restored; save the conversation again.");
+  };
+  for (const auto* v : {&f.tokens, &f.pending})
+    for (int32_t t : *v)
+      if (t >= m.vocab_size)
+        throw bad("holds a token id outside this model's vocabulary of " + std::to_string(m.vocab_size) + " (damaged)");
+  std::vector<std::pair<std::string, std::string>> messages;
+  if (!f.app.empty()) {  // the chat's messages (written by save or by `pagedkv chat`'s /save)
+    try {
+      const Json app = Json::parse(f.app);
+      if (const Json* ms = app.find("messages"))
+        for (const Json& e : ms->items()) messages.emplace_back(e["role"].as_string(), e["content"].as_string());
+    } catch (const std::exception&) {
+      throw bad("holds application data that are not chat messages");
+    }
+  }
+  const int n = static_cast<int>(f.tokens.size()), bs = m.block_size, nb = (n + bs - 1) / bs;
+  if (nb > m.max_blocks_per_seq)
+    throw bad("holds " + std::to_string(n) + " tokens, the .pte accepts at most " +
+              std::to_string(m.max_blocks_per_seq * bs));
+  for (size_t gi = 0; gi < f.groups.size(); ++gi) {  // holes only where a window (or a dropped block) can be
+    const ConvGroup& cg = f.groups[gi];
+    const int dead = dead_blocks(static_cast<int>(cg.window), bs, n);
+    for (int i = 0; i < dead && i < nb; ++i)
+      if (cg.present[static_cast<size_t>(i)])
+        throw bad("holds blocks of layer group " + std::to_string(gi) + " that its window would not keep (damaged)");
+    if (nb && !cg.present[static_cast<size_t>(nb - 1)])
+      throw bad("has a hole at the last block of layer group " + std::to_string(gi) + " (damaged)");
+  }
+  if (static_cast<int>(m.pool->live_sequences().size()) >= m.max_seqs)
+    throw RunnerError(ErrorCode::kState, "all " + std::to_string(m.max_seqs) + " conversation slots are in use: close "
+                                         "a conversation before restoring " + path + ".");
+  for (size_t gi = 0; gi < f.groups.size(); ++gi) {
+    // at the peak the present blocks before the last one stay while the last one is allocated
+    int need = nb ? 1 : 0;
+    for (int i = 0; i + 1 < nb; ++i) need += f.groups[gi].present[static_cast<size_t>(i)];
+    const int free = m.pool->pool(gi).num_free();
+    if (need > free)
+      throw RunnerError(ErrorCode::kPoolExhausted,
+                        "KV block pool exhausted restoring " + path + " (" + std::to_string(n) + " tokens)" +
+                            (m.grouped ? " in layer group " + std::to_string(gi) : std::string()) + ": needs " +
+                            std::to_string(need) + " block(s), only " + std::to_string(free) +
+                            " free. Clear a conversation or give the pool a larger budget.");
+  }
+  std::vector<Impl::LayerPool> views;
+  if (nb || m.has_stage) views = m.ensure_pool_views();
+  const int seq = m.pool->new_sequence();
+  try {
+    for (int i = 0; i < nb; ++i) {  // block by block, so a sliding group hands back what left its window
+      const int len = std::min(bs, n - i * bs);
+      m.pool->reserve(seq, len);
+      m.pool->commit(seq, len);
+      for (size_t gi = 0; gi < f.groups.size(); ++gi) {
+        const auto& t = m.pool->pool(gi).blocks(seq);
+        if (!f.groups[gi].present[static_cast<size_t>(i)] && t[static_cast<size_t>(i)] >= 0 && len == bs)
+          m.pool->pool(gi).drop_blocks(seq, {i});  // a block the saver's pool dropped (sliding policy)
+      }
+    }
+    const size_t rec = static_cast<size_t>(m.kv_heads) * bs;
+    for (size_t gi = 0; gi < f.groups.size(); ++gi) {
+      const auto& t = m.pool->pool(gi).blocks(seq);
+      for (int i = 0; i < nb; ++i)
+        if ((t[static_cast<size_t>(i)] >= 0) != (f.groups[gi].present[static_cast<size_t>(i)] != 0))
+          throw bad("holds blocks of layer group " + std::to_string(gi) + " that its window would not keep (damaged)");
+      for (int l : m.groups[gi].layers) {
+        const Impl::LayerPool& v = views[static_cast<size_t>(l)];
+        size_t k = 0;  // the file's k-th present block of this layer
+        for (int i = 0; i < nb; ++i) {
+          if (t[static_cast<size_t>(i)] < 0) continue;
+          const size_t b = static_cast<size_t>(t[static_cast<size_t>(i)]);
+          std::memcpy(v.codes + b * rec * m.code_bytes, f.codes[static_cast<size_t>(l)].data() + k * rec * m.code_bytes,
+                      rec * m.code_bytes);
+          if (m.scale_bytes)
+            std::memcpy(v.scales + b * rec * m.scale_bytes,
+                        f.scales[static_cast<size_t>(l)].data() + k * rec * m.scale_bytes, rec * m.scale_bytes);
+          ++k;
+        }
+      }
+    }
+    if (m.has_stage)
+      for (int l = 0; l < m.num_layers; ++l)
+        std::memcpy(views[static_cast<size_t>(l)].stage + static_cast<size_t>(seq) * f.stage_bytes(),
+                    f.stage[static_cast<size_t>(l)].data(), f.stage_bytes());
+  } catch (...) {
+    m.pool->release(seq);
+    m.refresh_stats();
+    throw;
+  }
+  for (size_t gi = 0; gi < m.groups.size(); ++gi) m.peak_used[gi] = std::max(m.peak_used[gi], m.pool->pool(gi).num_used());
+  const int id = m.next_conv++;
+  m.convs[id] = Impl::Conv{seq, f.tokens, f.pending, messages};
+  m.refresh_stats();
+  return id;
 }
 
 std::string Runner::render_chat(int conv, const std::string& user_text) const {

@@ -7,6 +7,7 @@
 //       std::cout << s; return true; });
 //   r.clear(c);                       // its blocks go back to the pool at once
 //   r.shrink(r.stats().used_blocks);  // onTrimMemory: drop the free part's pages
+//   r.save(c, files + "/chat.pkvc");  // onStop; on the next start: c = r.restore(files + "/chat.pkvc")
 //
 // Plain C++17, no Android headers. Thread safety: one thread generates at a time (generate/clear/
 // shrink take the runner's lock); stats() and cancel() may be called from any thread at any time.
@@ -137,6 +138,17 @@ class Runner {
   MemoryUse memory_use() const;  // any thread; the arenas do not move after construction
   void check_invariants() const;
   int conversation_length(int conv) const;  // tokens in the cache
+
+  // Save / restore a conversation (toolkit/CONVERSATION_FORMAT.md, the format runtime_sim's Engine.save
+  // and Engine.restore read and write). save writes conv's blocks as they lie in the pool (every layer
+  // group), its stage rows, tokens and chat messages, the spec and the .pte's sha256 from the manifest,
+  // atomically (temp file + rename); returns the file's size. restore checks the whole file first
+  // (format, checksum, model, spec, dims, groups, vocabulary, room) and maps its blocks into free blocks
+  // without prefill; returns the new conversation. Any failure: RunnerError(kArgument / kPoolExhausted /
+  // kState), one line, the pool and every conversation as they were.
+  int64_t save(int conv, const std::string& path);
+  int restore(const std::string& path);
+  std::vector<int32_t> conversation_tokens(int conv) const;  // the cache's tokens, then the pending ones
 
  private:
   struct Impl;

@@ -2,6 +2,7 @@
 // phone would see: one conversation, a prompt of exactly --ctx tokens, --decode greedy tokens.
 //
 //   pagedkv-runner ARTIFACTS --prompt-file F --ctx N --decode N [--threads N] [--budget-mb M] [--json]
+//                  [--restore FILE] [--save FILE]
 //
 // ARTIFACTS is a dir made by `pagedkv export --format pte`. The prompt is the first N tokens of F
 // (encoded by the runner's tokenizer, no special tokens). Prints prefill tok/s, time to first token,
@@ -10,9 +11,14 @@
 // shared libraries, and the rest (heap: XNNPACK's packed weights, the runtime's own allocations).
 // A model with sliding-window layers (the manifest's "groups") reports each layer group's blocks too
 // (--json: "groups": [{window, layers, total/usable/used/free/peak_used blocks, bytes_per_block}]).
+// --restore FILE: before the prompt, the conversation is restored from FILE (a conversation file,
+// toolkit/CONVERSATION_FORMAT.md: Engine.save or --save), without prefill; its tokens must be the first
+// ones of the prompt, and only the rest of the prompt is fed. --save FILE: after the run, the
+// conversation (its blocks, tokens and pending token) is written to FILE (--json: "saved_bytes").
 // Bad input: one line on stderr naming the problem and the fix, exit 2.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <cstdio>
@@ -36,7 +42,7 @@ namespace {
 
 const char* kUsage =
     "usage: pagedkv-runner ARTIFACTS --prompt-file F --ctx N --decode N [--threads N] [--budget-mb M] "
-    "[--isa NAME] [--json]";
+    "[--isa NAME] [--json] [--restore FILE] [--save FILE]";
 
 int64_t parse_int(const std::string& flag, const char* v, int64_t lo) {
   char* end = nullptr;
@@ -89,7 +95,7 @@ double now_s() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string art, prompt_file, isa;
+  std::string art, prompt_file, isa, save_path, restore_path;
   int64_t ctx = -1, decode = -1, threads = 0, budget_mb = 0;
   bool json = false;
   for (int i = 1; i < argc; ++i) {
@@ -105,6 +111,8 @@ int main(int argc, char** argv) {
     else if (a == "--budget-mb") budget_mb = parse_int(a, value(), 0);
     else if (a == "--isa") isa = value();
     else if (a == "--json") json = true;
+    else if (a == "--save") save_path = value();
+    else if (a == "--restore") restore_path = value();
     else if (a == "-h" || a == "--help") { std::printf("%s\n", kUsage); return 0; }
     else if (!a.empty() && a[0] == '-') fail("unknown option " + a + ": " + kUsage);
     else if (art.empty()) art = a;
@@ -150,7 +158,19 @@ int main(int argc, char** argv) {
              std::to_string(room) + " tokens" + (budget_mb ? " under --budget-mb " + std::to_string(budget_mb) : "") +
              "); raise --budget-mb, lower --ctx/--decode, or export a larger pool (--pool-tokens)");
     }
-    int conv = r.new_conversation();
+    int conv;
+    size_t restored = 0;  // tokens the restored conversation holds (cache + pending)
+    if (!restore_path.empty()) {
+      conv = r.restore(restore_path);
+      const std::vector<int32_t> held = r.conversation_tokens(conv);
+      if (held.size() >= ids.size() || !std::equal(held.begin(), held.end(), ids.begin()))
+        fail(restore_path + " holds " + std::to_string(held.size()) + " tokens that are not the start of the " +
+             std::to_string(ids.size()) + "-token prompt: give the prompt it was saved from with a larger --ctx");
+      restored = held.size();
+      ids.erase(ids.begin(), ids.begin() + static_cast<long>(restored));
+    } else {
+      conv = r.new_conversation();
+    }
     Sampling greedy;
     greedy.ignore_stop = true;  // a fixed number of steps, like the peers' benchmarks
     double t0 = now_s(), ttft = -1;
@@ -159,6 +179,7 @@ int main(int argc, char** argv) {
       return true;
     });
     const double total_s = now_s() - t0;
+    const int64_t saved_bytes = save_path.empty() ? 0 : r.save(conv, save_path);
     PoolStats st = r.stats();
     MemoryUse mu = r.memory_use();
     int64_t weights_file = 0, libs = 0;
@@ -189,6 +210,8 @@ int main(int argc, char** argv) {
         }
         std::printf("], ");
       }
+      if (!restore_path.empty()) std::printf("\"restored_tokens\": %zu, ", restored);
+      if (!save_path.empty()) std::printf("\"saved_bytes\": %lld, ", (long long)saved_bytes);
       std::printf("\"generated\": [");
       for (size_t i = 0; i < out.size(); ++i) std::printf("%s%d", i ? ", " : "", out[i]);
       std::printf("]}\n");

@@ -103,6 +103,12 @@ public final class NativeRunner implements AutoCloseable {
 
     public void closeConversation(int conversation) { nativeCloseConversation(handle, conversation); }
 
+    /** Writes the conversation (its KV blocks, tokens and messages) to path, atomically; returns its size in bytes. */
+    public long save(int conversation, String path) { return nativeSave(handle, conversation, path); }
+
+    /** A new conversation restored from a file save wrote (no prefill); a bad file throws, nothing changed. */
+    public int restore(String path) { return nativeRestore(handle, path); }
+
     /** Prefills promptIds after the conversation's history and streams up to maxNewTokens tokens. */
     public int[] generate(int conversation, int[] promptIds, int maxNewTokens, float temperature, int topK,
                           float topP, long seed, TokenListener listener) {
@@ -153,6 +159,8 @@ public final class NativeRunner implements AutoCloseable {
     private static native int nativeNewConversation(long h);
     private static native void nativeClear(long h, int conv);
     private static native void nativeCloseConversation(long h, int conv);
+    private static native long nativeSave(long h, int conv, String path);
+    private static native int nativeRestore(long h, String path);
     private static native int[] nativeGenerate(long h, int conv, int[] prompt, int maxNew, float temperature, int topK,
                                                float topP, long seed, TokenListener listener);
     private static native int[] nativeChat(long h, int conv, String text, int maxNew, float temperature, int topK,

@@ -1,0 +1,165 @@
+"""The Android runner saves and restores conversations in the format runtime_sim's engine reads and
+writes (toolkit/CONVERSATION_FORMAT.md): pagedkv-runner --save / --restore (Runner::save / restore).
+
+On the tiny llama and a tiny Gemma 3 (two layer groups) exported to .pte with the default KV spec (8/4-bit codes with scales, rotation, the
+fp16 sink and tail stage rows: every part of the file), the runner and runtime_sim's ExecuTorch backend
+run the same program through the same pagedkv kernels:
+  (a) the runner's file is byte for byte the file the Python engine writes after the same calls, and
+      the Python engine that restores it gives the next token's logits bit for bit;
+  (b) a file the Python engine saved is restored by the runner, which continues with the greedy
+      tokens it produces without save/restore;
+  (c) a truncated file, one of another model, one of another spec: exit 2, one line, nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import zlib
+
+import numpy as np
+import pytest
+
+from tests.native_build import build, need, tiny_pte_fixtures
+
+CTX, DECODE = 50, 4  # 50 prompt tokens: three full blocks of 16 and a partly filled one
+SPLIT = 32  # (b): Python prefills the first 32 tokens (one .pte call), the runner the rest
+CHAT_APP = b'{"system_prompt": null, "messages": []}'  # what the runner stores for a conversation without chat
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def fixtures(request, tmp_path_factory, wikitext):
+    """The artifacts dir: the tiny llama (make_fixtures.py), or a tiny Gemma 3 (a sliding layer with a
+    window of 16 beside a global one: two layer groups, the sliding one with holes in the file)."""
+    out = tmp_path_factory.mktemp(f"runner-save-{request.param}")
+    if request.param == "llama":
+        return tiny_pte_fixtures(out, wikitext, "--spec", "default") / "artifacts"
+    import make_fixtures
+
+    from export.artifacts import PoolRequest, export_artifacts
+    from tests.test_runner_groups import tiny
+
+    export_artifacts("tiny-gemma3", out / "artifacts", formats=("pte",), spec="default",
+                     pool=PoolRequest(pool_tokens=512, max_seqs=2, block_size=16), max_tokens_per_call=32,
+                     model_and_tokenizer=(tiny("gemma3", 16), make_fixtures.tiny_bpe_tokenizer(wikitext)))
+    return out / "artifacts"
+
+
+@pytest.fixture(scope="module")
+def host_cli():
+    need("g++", "javac")
+    return build("host") / "pagedkv-runner"
+
+
+def runner(binary, art, wikitext, *extra):
+    cmd = [binary, art, "--prompt-file", wikitext, "--ctx", str(CTX), "--decode", str(DECODE), "--threads", "1",
+           "--json", *extra]
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=900)
+
+
+def result(p) -> dict:
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def runner_saved(host_cli, fixtures, wikitext, tmp_path_factory):
+    """One runner run with --save: its JSON result, the file, and its prompt's ids (the first CTX tokens of
+    the text as the runner's tokenizer encodes them: the file's first tokens)."""
+    from runtime_sim import conversation_file as cf
+
+    saved = tmp_path_factory.mktemp("runner-saved") / "runner.pkvc"
+    r = result(runner(host_cli, fixtures, wikitext, "--save", saved))
+    return r, saved, cf.read(saved).tokens[:CTX]
+
+
+def test_runner_file_read_by_python_bit_for_bit(runner_saved, fixtures, tmp_path):
+    from runtime_sim import conversation_file as cf
+    from runtime_sim.session import open_artifacts
+
+    r, saved, ids = runner_saved
+    assert r["saved_bytes"] == saved.stat().st_size > 0
+    d = cf.read(saved)
+    assert d.tokens == ids + r["generated"][:-1] and d.pending == r["generated"][-1:]
+    assert d.has_stage and d.scale_bytes > 0 and d.app == CHAT_APP
+    if len(d.groups) > 1:  # Gemma 3: the sliding group's blocks that left the window are holes in the file
+        assert d.groups[1].window == 16 and not all(d.groups[1].present) and all(d.groups[0].present)
+
+    # the Python engine on the same .pte, the same calls (prefill in calls of 32, then greedy steps)
+    ref = open_artifacts(fixtures, "executorch", threads=1)
+    c = ref.new_conversation()
+    assert list(ref.generate(c, ids, DECODE)) == r["generated"]
+    ours = tmp_path / "python.pkvc"
+    ref.save(c, ours, app=CHAT_APP)
+    # the pool records (codes, scales, stage rows), tokens and header are byte-equal: the whole file
+    assert saved.read_bytes() == ours.read_bytes()
+
+    # Python restores the runner's file: the next token's logits are the uninterrupted engine's, bit for bit
+    eng = open_artifacts(fixtures, "executorch", threads=1)
+    cr = eng.restore(saved)
+    assert eng.counters.prefill_tokens == 0  # restored, not prefilled
+    got = eng.step({cr: []})[cr]
+    want = ref.step({c: []})[c]
+    assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+def test_python_file_restored_by_runner_continues_greedy(host_cli, runner_saved, fixtures, wikitext, tmp_path):
+    from runtime_sim.session import open_artifacts
+
+    plain, _, ids = runner_saved  # the runner's greedy tokens without save/restore
+    eng = open_artifacts(fixtures, "executorch", threads=1)
+    c = eng.new_conversation()
+    eng.prefill(c, ids[:SPLIT])
+    saved = tmp_path / "python.pkvc"
+    eng.save(c, saved)
+    r = result(runner(host_cli, fixtures, wikitext, "--restore", saved))
+    assert r["restored_tokens"] == SPLIT
+    assert r["generated"] == plain["generated"]
+    # and both are what the Python engine continues with
+    assert list(eng.generate(c, ids[SPLIT:], DECODE)) == plain["generated"]
+
+
+def reseal(raw: bytes) -> bytes:
+    """A file whose checksum matches its (changed) bytes: what another writer's valid file looks like."""
+    body = raw[:-4]
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+SHA_AT = 12  # magic (8) + version (4)
+SPEC_AT = SHA_AT + 32 + 4 * 4  # after the sha256 and the four dims
+ROTATE_AT = SPEC_AT + 6 * 4  # k_bits, v_bits, k_group, v_group, k_sym, v_sym, rotate
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("truncated", "checksum mismatch"),
+    ("other-model", "was saved with another model"),
+    ("other-spec", "was saved with KV spec"),
+    ("not-the-prompt", "are not the start of the"),
+])
+def test_runner_rejects_bad_files_in_one_line(host_cli, runner_saved, fixtures, wikitext, tmp_path, case, needle):
+    from runtime_sim.session import open_artifacts
+
+    eng = open_artifacts(fixtures, "executorch", threads=1)
+    c = eng.new_conversation()
+    ids = runner_saved[2]
+    eng.prefill(c, ids[:SPLIT] if case != "not-the-prompt" else ids[1:SPLIT])
+    good = tmp_path / "good.pkvc"
+    eng.save(c, good)
+    raw = good.read_bytes()
+    bad = {
+        "truncated": lambda b: b[: len(b) // 2],
+        "other-model": lambda b: reseal(b[:SHA_AT] + bytes(32) + b[SHA_AT + 32:]),
+        "other-spec": lambda b: reseal(b[:ROTATE_AT] + struct.pack("<I", 1 - struct.unpack_from("<I", b, ROTATE_AT)[0])
+                                       + b[ROTATE_AT + 4:]),
+        "not-the-prompt": lambda b: b,
+    }[case](raw)
+    path = tmp_path / "bad.pkvc"
+    path.write_bytes(bad)
+    out = tmp_path / "never.pkvc"
+    p = runner(host_cli, fixtures, wikitext, "--restore", path, "--save", out)
+    assert p.returncode == 2 and p.stdout == "", (p.returncode, p.stdout, p.stderr)
+    # one line of the runner's (ExecuTorch's own "I ..." log lines aside, as in test_runner_cli.py)
+    err = [ln for ln in p.stderr.splitlines() if ln.startswith("pagedkv-runner:")]
+    assert len(err) == 1 and needle in err[0], p.stderr
+    assert not out.exists() and path.read_bytes() == bad  # nothing saved, the bad file left as it was
