@@ -99,6 +99,7 @@ def test_chat_engine_with_the_native_runner(classes, runner_fixtures, which):
                "org.pagedkv.demo.core.HostTestsKt", runner_fixtures / which], timeout=600)
     ok, bad = summary(out)
     assert bad == 0 and "PASS a Stop before the turn starts is not lost" in out, out[-4000:]
+    assert "PASS start restores the saved chat without prefill" in out, out[-4000:]  # HostTests saveRestoreTests
 
 
 def test_gradle_toolchain_pins():

@@ -64,6 +64,7 @@ class MainActivity : AppCompatActivity() {
     override fun onStop() {
         ui.removeCallbacks(statsLoop)  // the loop stops with the view: no leaked Activity, no work in the background
         app.removeListener(redraw)
+        engine.save()  // the chat survives the process: files/chat.pkvc, restored by the next start
         super.onStop()
     }
 

@@ -22,7 +22,9 @@ class PagedKVApp : Application() {
     private val listeners = LinkedHashSet<() -> Unit>()
 
     /** The one engine of the process; its callbacks are re-posted to the main thread for the screen. */
-    val engine: ChatEngine by lazy { ChatEngine { main.post { listeners.toList().forEach { it() } } } }
+    val engine: ChatEngine by lazy {
+        ChatEngine { main.post { listeners.toList().forEach { it() } } }.also { it.saveFile = File(filesDir, "chat.pkvc") }
+    }
 
     fun addListener(l: () -> Unit) = listeners.add(l)
     fun removeListener(l: () -> Unit) = listeners.remove(l)
@@ -61,6 +63,6 @@ class PagedKVApp : Application() {
 
     override fun onTrimMemory(level: Int) {
         super.onTrimMemory(level)
-        engine.trim(level)  // UI_HIDDEN / BACKGROUND (what Android 14+ delivers); the rest before each turn
+        engine.trim(level)  // saves the chat, then UI_HIDDEN / BACKGROUND shrink (what Android 14+ delivers)
     }
 }

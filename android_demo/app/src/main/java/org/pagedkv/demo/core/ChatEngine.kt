@@ -34,6 +34,12 @@ class ChatEngine(private val onChange: () -> Unit) {
         private set
     var maxNewTokens = 256
     var temperature = 0.7f
+    /**
+     * Where the chat is saved (a conversation file, toolkit/CONVERSATION_FORMAT.md: its KV blocks,
+     * tokens and messages): written on [save] (onStop) and [trim] (onTrimMemory), read back by [start],
+     * so a process Android killed comes back with its chat and no prefill. null: never saved.
+     */
+    @Volatile var saveFile: File? = null
 
     /** Runs [body] on the runner's thread; any Throwable becomes a visible note, never a crash. */
     private fun task(what: String, body: () -> Unit) {
@@ -60,7 +66,7 @@ class ChatEngine(private val onChange: () -> Unit) {
         onChange()
         val r = NativeRunner(modelDir.absolutePath, budgetBytes, threads)
         runner = r
-        conversation = r.newConversation()
+        conversation = restoreOrNew(r)
         budgetBlocks = r.stats().usableBlocks
         stats = r.stats()
         ready = true
@@ -116,17 +122,46 @@ class ChatEngine(private val onChange: () -> Unit) {
         task("clearing") {
             val r = runner ?: return@task
             r.clear(conversation)
+            saveFile?.delete()  // a cleared chat does not come back on the next start
             transcript.clear()
             stats = r.stats()
             transcript.note("Cleared: ${stats?.usedBlocks} blocks in use.")
         }
     }
 
-    /** Memory pressure (ComponentCallbacks2 level): gives free blocks' pages back per [PoolPolicy]. */
+    /** The saved chat when [saveFile] holds one this runner can read; otherwise (none, another model, a
+     *  damaged file: the runner checks it and changes nothing) a new conversation, the reason noted. */
+    private fun restoreOrNew(r: NativeRunner): Int {
+        val f = saveFile
+        if (f == null || !f.isFile) return r.newConversation()
+        return try {
+            val c = r.restore(f.absolutePath)
+            transcript.note("[Restored the saved chat: ${r.stats().usedBlocks} blocks, no prefill.]")
+            c
+        } catch (e: Exception) {
+            transcript.note("[The saved chat was not restored: ${e.message}]")
+            r.newConversation()
+        }
+    }
+
+    /** Writes the chat to [saveFile] (atomically, in the native runner); onStop. Queued behind a running turn. */
+    fun save() = task("saving the chat") { saveNow() }
+
+    private fun saveNow() {  // on the runner's thread
+        val r = runner ?: return
+        val f = saveFile ?: return
+        if (!ready) return
+        r.save(conversation, f.absolutePath)
+    }
+
+    /** Memory pressure (ComponentCallbacks2 level): saves the chat (the process may be killed next), then
+     *  gives free blocks' pages back per [PoolPolicy]. */
     fun trim(level: Int) {
-        val keep = PoolPolicy.keepFreeOnTrim(level) ?: return
+        val keep = PoolPolicy.keepFreeOnTrim(level)
         task("trimming the pool") {
             val r = runner ?: return@task
+            saveNow()
+            if (keep == null) return@task
             val res = r.shrink(r.stats().usedBlocks + keep)
             stats = r.stats()
             status = "trim level $level: usable ${res.usableBefore} -> ${res.usableAfter} blocks, " +

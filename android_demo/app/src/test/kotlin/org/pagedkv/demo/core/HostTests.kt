@@ -237,6 +237,77 @@ fun engineTests(fixtures: File) {
     check(broken.status.startsWith("loading the model failed: PagedKVException"), "a failed start is shown: ${broken.status}")
 }
 
+/**
+ * The app's save/restore (onStop / onTrimMemory save, start restores) through the real runner: the chat
+ * comes back with its blocks and messages (the next turn prefills only its new tokens), a damaged file
+ * is a note and a fresh conversation with the pool untouched, Clear deletes the file.
+ */
+fun saveRestoreTests(fixtures: File) {
+    val art = File(fixtures, "artifacts")
+    val roomy = MemorySnapshot(4096 * MiB, 256 * MiB, false, 0)
+    val dir = Files.createTempDirectory("pagedkv-save").toFile()
+    val file = File(dir, "chat.pkvc")
+    fun engine() = ChatEngine { }.also { it.maxNewTokens = 12; it.temperature = 0f; it.saveFile = file }
+
+    val a = engine()
+    a.start(art, 0, 2)
+    waitIdle(a)
+    check(a.ready && !file.exists(), "no saved chat: the engine starts a new conversation")
+    waitDone(a, a.send("Hello there") { roomy }!!)
+    a.trim(PoolPolicy.TRIM_MEMORY_BACKGROUND)  // onTrimMemory: save first, then shrink
+    a.refreshStats()
+    waitIdle(a)
+    val afterTrim = file.length()
+    check(file.isFile && afterTrim > 0 && a.stats!!.usableBlocks == a.stats!!.usedBlocks,
+        "trim saves the chat ($afterTrim bytes) and shrinks the pool (${a.stats!!.usableBlocks}/${a.stats!!.usedBlocks})")
+    waitDone(a, a.send("Tell me more") { roomy }!!)
+    a.save()  // onStop
+    a.refreshStats()
+    waitIdle(a)
+    val used = a.stats!!.usedBlocks
+    check(file.length() > afterTrim, "onStop's save writes the longer chat (${file.length()} > $afterTrim bytes)")
+    // what the saved chat does next without a restart: its reply and the tokens that turn prefills
+    val before = a.stats!!.prefillTokens
+    val goOn = a.send("and again") { roomy }!!
+    waitDone(a, goOn)
+    a.refreshStats()
+    waitIdle(a)
+    val wantPrefill = a.stats!!.prefillTokens - before
+    a.close(awaitMs = 10_000)
+
+    val b = engine()  // the next process start
+    b.start(art, 0, 2)
+    waitIdle(b)
+    val st = b.stats!!
+    check(b.ready && st.usedBlocks == used && st.prefillTokens == 0L && "Restored the saved chat" in b.transcript.render(),
+        "start restores the saved chat without prefill (${st.usedBlocks} of $used blocks, ${st.prefillTokens} prefilled)")
+    val next = b.send("and again") { roomy }!!
+    waitDone(b, next)
+    b.refreshStats()
+    waitIdle(b)
+    // the same messages and cache: the same turn prefills the same tokens and replies the same (greedy)
+    check(next.state == Transcript.State.DONE && next.replyText == goOn.replyText && b.stats!!.prefillTokens == wantPrefill,
+        "the restored chat continues as the saved one would (prefilled ${b.stats!!.prefillTokens} vs $wantPrefill tokens, " +
+            "reply '${next.replyText}' vs '${goOn.replyText}')")
+    b.close(awaitMs = 10_000)
+
+    val bytes = file.readBytes()
+    file.writeBytes(bytes.copyOf(bytes.size / 2))  // damaged (a crash mid-copy, a full disk)
+    val c = engine()
+    c.start(art, 0, 2)
+    waitIdle(c)
+    check(c.ready && c.stats!!.usedBlocks == 0 && "The saved chat was not restored" in c.transcript.render() &&
+        "checksum mismatch" in c.transcript.render(), "a damaged file is a note and a new conversation, the pool untouched")
+    val fresh = c.send("Hello there") { roomy }!!
+    waitDone(c, fresh)
+    check(fresh.state == Transcript.State.DONE, "the runner works after refusing the file")
+    c.clear()
+    waitIdle(c)
+    check(!file.exists(), "Clear deletes the saved chat: it does not come back on the next start")
+    c.close(awaitMs = 10_000)
+    dir.deleteRecursively()
+}
+
 private fun waitDone(engine: ChatEngine, turn: Transcript.Turn): Boolean {
     val deadline = System.currentTimeMillis() + 120_000
     while ((turn.state == Transcript.State.QUEUED || turn.state == Transcript.State.RUNNING) && System.currentTimeMillis() < deadline)
@@ -253,7 +324,10 @@ fun main(args: Array<String>) {
     poolPolicyTests()
     transcriptTests()
     modelFilesTests()
-    if (args.isNotEmpty()) engineTests(File(args[0]))
+    if (args.isNotEmpty()) {
+        engineTests(File(args[0]))
+        saveRestoreTests(File(args[0]))
+    }
     println("$passed passed, $failed failed")
     if (failed > 0) kotlin.system.exitProcess(1)
 }
