@@ -23,7 +23,7 @@ from rich.console import Console
 from toolkit.errors import ArtifactError, PagedKVError, SpecError
 from toolkit.manifest import sha256_file, write_manifest
 from toolkit.pool_layout import PoolLayout, budget_blocks, check_block_size
-from toolkit.kv_spec import KVQuantSpec, resolve_spec
+from toolkit.kv_spec import KVQuantSpec, default_spec_name, resolve_spec
 
 FORMATS = ("onnx", "pte")
 ONNX_WEIGHTS = ("fp32", "int4", "int4-e4")
@@ -66,6 +66,16 @@ class PoolRequest:
         if tokens < 1:
             raise SpecError(f"--pool-tokens {tokens}: the pool needs at least one token.")
         return -(-tokens // self.block_size)
+
+
+def model_default_spec(config, console: Console | None = None) -> KVQuantSpec:
+    """The KV spec export uses when none is given: the model type's default (kv_spec.default_spec_name)."""
+    from toolkit.model_dims import text_config
+
+    name = default_spec_name(getattr(text_config(config), "model_type", None))
+    if console is not None and name != "default":
+        console.print(f"[dim]  KV spec: {name} (the default for {text_config(config).model_type}; --spec overrides)[/]")
+    return resolve_spec(name).validate()
 
 
 def make_layout(config, spec: KVQuantSpec, req: PoolRequest) -> PoolLayout:
@@ -225,7 +235,7 @@ def export_artifacts(
     model_path: str,
     out_dir: Path,
     formats: tuple[str, ...] = ("onnx",),
-    spec: str | dict | KVQuantSpec = "default",
+    spec: str | dict | KVQuantSpec | None = None,
     pool: PoolRequest | None = None,
     onnx_weights: str = "fp32",
     pte_weights: str = "fp32",
@@ -235,11 +245,13 @@ def export_artifacts(
     force: bool = False,
 ) -> dict:
     """Export `model_path` to `out_dir` atomically; returns the manifest. `model_and_tokenizer` skips loading.
-    An existing non-empty `out_dir` is refused unless `force` (then replaced whole)."""
+    An existing non-empty `out_dir` is refused unless `force` (then replaced whole). spec None: the
+    model type's default (kv_spec.default_spec_name)."""
     console = console or Console(stderr=True)
     formats = tuple(dict.fromkeys(formats))
     check_options(formats, onnx_weights, pte_weights, max_tokens_per_call)
-    spec = resolve_spec(spec).validate()
+    if spec is not None:
+        spec = resolve_spec(spec).validate()
     pool = (pool or PoolRequest()).check()
     out_dir = Path(out_dir).expanduser().absolute()
     check_out_dir(out_dir, force)
@@ -251,6 +263,7 @@ def export_artifacts(
     if model_and_tokenizer is None:
         config = preflight_model(model_path)
         if config is not None:  # spec and pool against the model's dims, before the weights load
+            spec = spec or model_default_spec(config, console)
             make_layout(config, spec, pool)
 
     tmp = None
@@ -258,6 +271,7 @@ def export_artifacts(
         from toolkit.model_loading import load_model
 
         model, tokenizer = model_and_tokenizer or load_model(model_path)
+        spec = spec or model_default_spec(model.config, console)
         layout = make_layout(model.config, spec, pool)
         tmp = _new_temp_dir(out_dir)
         manifest = _write_all(model, tokenizer, model_path, tmp, formats, spec, layout, onnx_weights, pte_weights,

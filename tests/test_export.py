@@ -141,3 +141,14 @@ def test_manifest_describes_pool_and_artifacts(fp32_artifacts):
     for entry in m["artifacts"].values():
         assert len(entry["sha256"]) == 64 and entry["bytes"] > 0
     assert m["versions"]["executorch"] == "1.5.1" and m["versions"]["torch"].startswith("2.13.0")
+
+
+def test_export_without_spec_takes_the_model_types_default():
+    """Gemma 3 exports with `best` unless --spec says otherwise (kv_spec.MODEL_DEFAULT_SPECS); others with default."""
+    from export.artifacts import model_default_spec
+    from toolkit.kv_spec import PRESETS
+    from toolkit.tiny_models import tiny_config
+
+    assert model_default_spec(tiny_config("gemma3")) == PRESETS["best"]
+    assert model_default_spec(tiny_config("llama")) == PRESETS["default"]
+    assert model_default_spec(tiny_config("gemma2")) == PRESETS["default"]

@@ -128,6 +128,10 @@ def specs():
         b = bytes_per_token(spec, 1, 64)
         table.add_row(name, spec.describe(), str(b), f"{b / fp16_bytes_per_token(1, 64):.3f}x")
     Console().print(table)
+    from toolkit.kv_spec import MODEL_DEFAULT_SPECS
+
+    per_model = ", ".join(f"{t}: {n}" for t, n in MODEL_DEFAULT_SPECS.items())
+    Console().print(f"`pagedkv export` without --spec uses 'default', except by model type: {per_model}.")
 
 
 @app.command("eval")
@@ -212,7 +216,8 @@ def export_cmd(
     model: str = typer.Argument("smollm2", help="HF model dir, a .gguf file, or 'smollm2' (the default model)."),
     out: Path = typer.Option(Path("artifacts/smollm2"), "--out", "-o", help="Artifacts directory to write."),
     format: str = typer.Option("onnx", "--format", "-f", help="onnx, pte or all."),
-    spec: str = typer.Option("default", help=SPEC_HELP),
+    spec: Optional[str] = typer.Option(None, help=SPEC_HELP + " Default: the model type's default "
+                                       "(best for Gemma 3, default for the others; see `pagedkv specs`)."),
     block_size: int = typer.Option(16, help="Tokens per block: 16 or 32."),
     pool_tokens: Optional[int] = typer.Option(None, help="Pool capacity in tokens (default 2048)."),
     pool_mb: Optional[float] = typer.Option(None, help="Pool size in MiB (instead of --pool-tokens)."),
@@ -231,7 +236,7 @@ def export_cmd(
         _bad(f"unknown format '{format}': use onnx, pte or all.")
     formats = ("onnx", "pte") if format == "all" else (format,)
     check_options(formats, onnx_weights, pte_weights, max_tokens_per_call)
-    s = resolve_spec(spec).validate()
+    s = resolve_spec(spec).validate() if spec is not None else None  # None: the model type's default
     req = PoolRequest(pool_tokens, pool_mb, max_seqs, block_size).check()
     check_out_dir(Path(out).expanduser().absolute(), force)
     man = export_artifacts(

@@ -23,7 +23,7 @@ import dataclasses
 import toolkit.paged_attention  # noqa: F401  (registers torch.ops.pagedkv)
 from toolkit.block_pool import LayerGroup
 from toolkit.errors import UnsupportedModelError
-from toolkit.model_dims import ModelDims, _text_config, layer_windows, model_dims  # noqa: F401  (re-exported)
+from toolkit.model_dims import ModelDims, text_config, layer_windows, model_dims  # noqa: F401  (re-exported)
 from toolkit.pool_layout import PoolLayout
 from toolkit.quant import KVQuantSpec, resolve_spec
 
@@ -37,7 +37,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2",
 
 def preflight(config) -> None:
     """Raise UnsupportedModelError naming the feature if the paged op cannot run this model exactly."""
-    cfg = _text_config(config)
+    cfg = text_config(config)
     mt = getattr(cfg, "model_type", "?")
     checks = [
         (getattr(cfg, "attention_chunk_size", None), "chunked attention (attention_chunk_size) lives only in the mask"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def _text_config(config):
+def text_config(config):
     """The text part of a config (multimodal configs nest it; plain ones are their own text config)."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
@@ -27,7 +27,7 @@ class ModelDims:
 
 
 def model_dims(config) -> ModelDims:
-    cfg = _text_config(config)
+    cfg = text_config(config)
     heads = cfg.num_attention_heads
     hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
@@ -43,7 +43,7 @@ def model_dims(config) -> ModelDims:
 def layer_windows(config) -> list[int]:
     """Per layer, the sliding window HF's attention uses (0 = global): from config.layer_types where
     the family has it (Gemma 2/3, Qwen2/3, ...), else config.sliding_window for every layer (Mistral)."""
-    cfg = _text_config(config)
+    cfg = text_config(config)
     n = cfg.num_hidden_layers
     window = int(getattr(cfg, "sliding_window", None) or 0)
     types = getattr(cfg, "layer_types", None)
