@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.helpers import hf_greedy
-from tests.native_build import build, need
+from tests.native_build import REPO, build, need
 from toolkit.block_pool import dead_blocks, window_blocks_needed
 
 BS = 16
@@ -126,6 +126,26 @@ def test_grouped_runner_greedy_equals_hf_and_sliding_blocks_return(host_cli, exp
         assert [g["window"] for g in r["groups"]] == [0, window]  # the global group first
     else:
         assert [g["window"] for g in r["groups"]] == [window]  # Mistral: every layer sliding
+
+
+def test_grouped_runner_aarch64_under_qemu(exported, prompt):
+    """The cross-built runner under qemu-aarch64 -cpu max (NEON dotprod kernels): the same tokens and blocks."""
+    import os
+
+    need("clang", "aarch64-linux-gnu-g++", "qemu-aarch64-static", "javac")
+    b = build("cross")
+    et_lib = REPO / "build" / "aarch64-wheel" / "unpacked" / "executorch" / "lib"
+    env = dict(os.environ, QEMU_LD_PREFIX="/usr/aarch64-linux-gnu", LD_LIBRARY_PATH=f"{et_lib}:{b}")
+    family, window, art, ref = exported
+    cmd = ["qemu-aarch64-static", "-cpu", "max", b / "pagedkv-runner", art, "--prompt-file", prompt[0], "--ctx", PROMPT,
+           "--decode", DECODE, "--threads", "1", "--json"]
+    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=1800, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["isa"] == "neon-dotprod" and r["generated"] == ref
+    length = PROMPT + DECODE - 1
+    assert [g["used_blocks"] for g in r["groups"]] == \
+        [-(-length // BS) - dead_blocks(g["window"], BS, length) for g in r["groups"]]
 
 
 def test_runtime_sim_engine_holds_the_same_blocks(exported, prompt):
