@@ -2,6 +2,8 @@
 //   runner_test FIXTURES_DIR [--expect-isa NAME] [--no-rss] [--tokens-out FILE]
 // FIXTURES_DIR holds artifacts/ (model.pte, pagedkv.json, tokenizer.json) and expected.json (HF's
 // greedy tokens for each prompt, fp32 pool).
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -266,6 +268,46 @@ int main(int argc, char** argv) {
     auto y = r.generate(b, g_cases[0].prompt_ids, 12, sp, nullptr);
     CHECK(x == y);
     for (int32_t id : x) CHECK(id >= 0 && id < r.tokenizer().vocab_size());
+  });
+
+  // Runner::save / restore (toolkit/CONVERSATION_FORMAT.md): a bad file or no free slot is one error and
+  // changes nothing; a good file restored beside the saved conversation continues exactly as it does.
+  s.run("save_restore_keeps_the_pool_on_bad_files", [] {
+    Runner r(cfg());
+    const Case& c = g_cases[0];
+    const int a = r.new_conversation();
+    r.generate(a, c.prompt_ids, 4, Sampling{}, nullptr);
+    const std::string path = "/tmp/pagedkv_runner_test_" + std::to_string(getpid()) + ".pkvc";
+    const std::string bad = path + ".bad";
+    CHECK(r.save(a, path) > 0);
+    std::string bytes;
+    {
+      std::ifstream f(path, std::ios::binary);
+      std::stringstream ss;
+      ss << f.rdbuf();
+      bytes = ss.str();
+    }
+    std::ofstream(bad, std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+    const PoolStats before = r.stats();
+    std::string msg;
+    CHECK(code_of([&] { r.restore(bad); }, &msg) == ErrorCode::kArgument);
+    CHECK(msg.find("checksum mismatch") != std::string::npos);
+    CHECK(code_of([&] { r.restore(path + ".missing"); }) == ErrorCode::kArgument);
+    CHECK(r.stats().used_blocks == before.used_blocks && r.stats().sequences == before.sequences);
+    r.check_invariants();
+    const int b = r.restore(path);  // beside `a` (the fixture has 2 slots), no prefill
+    CHECK(r.conversation_tokens(b) == r.conversation_tokens(a));
+    CHECK(r.stats().prefill_tokens == before.prefill_tokens);
+    CHECK(r.stats().used_blocks == 2 * before.used_blocks);
+    const PoolStats full = r.stats();  // every slot in use: a third restore is refused, nothing changed
+    CHECK(code_of([&] { r.restore(path); }, &msg) == ErrorCode::kState);
+    CHECK(msg.find("slots are in use") != std::string::npos);
+    CHECK(r.stats().used_blocks == full.used_blocks && r.stats().sequences == full.sequences);
+    r.check_invariants();
+    const std::vector<int32_t> more(c.prompt_ids.begin(), c.prompt_ids.begin() + 3);
+    CHECK(r.generate(a, more, 6, Sampling{}, nullptr) == r.generate(b, more, 6, Sampling{}, nullptr));
+    unlink(path.c_str());
+    unlink(bad.c_str());
   });
 
   if (!g_tokens_out.empty()) {
