@@ -296,44 +296,97 @@ def pack_int4_affine(w: np.ndarray, block_size: int = 32) -> tuple[np.ndarray, n
     return packed, scale.astype(np.float32), zp.astype(np.float32), int((exact | const).sum())
 
 
+def split_zero_points(zp: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Float zero points [N*nb] -> (MatMulNBits' 4-bit zero points, uint8 [N * ceil(nb/2)], low nibble
+    = even block; the fractions left over, float32 [N, nb]).
+
+    onnxruntime's fast int4 kernels take only 4-bit integer zero points: a float zero point sends the
+    MatMul to a dequantize-every-call path (~70x slower at decode on this machine). So zp = zi + f with
+    zi = clip(round(zp), 0, 15), and the f part is added back outside the kernel (int4_matmul_nodes)."""
+    zp = zp.reshape(n, -1).astype(np.float64)
+    zi = np.clip(np.rint(zp), 0, 15)
+    q = zi.astype(np.uint8)
+    if q.shape[1] % 2:
+        q = np.pad(q, ((0, 0), (0, 1)))
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1), (zp - zi).astype(np.float32)
+
+
+def int4_matmul_nodes(a: str, y: str, w: np.ndarray, prefix: str, block_size: int = 32, accuracy_level: int = 4,
+                      done: dict | None = None) -> tuple[list, list, int]:
+    """Y = A @ W as int4: (nodes, initializers, exact blocks).
+
+    MatMulNBits(A, B, scales, 4-bit zp) computes A @ (s*(q - zi)); the fraction f of each block's zero
+    point adds -s*f * sum(A over the block): BlockSums = A @ Ind (Ind [K, nb] 0/1, one per K) and
+    BlockSums @ C (C [nb, N] = -s*f), one small fp32 MatMul (nb = K/32 rows: ~3% of the int4 work).
+    Left out when every fraction is 0 (e.g. Q4_0 weights). `done` caches what is shared between calls
+    (Ind per K, BlockSums per input); pass the same dict for every MatMul of one graph."""
+    from onnx import numpy_helper
+
+    done = {} if done is None else done
+    k, n = w.shape
+    packed, scales, zps, exact = pack_int4_affine(w, block_size)
+    zi, frac = split_zero_points(zps, n)
+    inits = [numpy_helper.from_array(packed, f"{prefix}_Q4"), numpy_helper.from_array(scales, f"{prefix}_scales"),
+             numpy_helper.from_array(zi, f"{prefix}_zp")]
+    nbits = helper.make_node("MatMulNBits", [a, f"{prefix}_Q4", f"{prefix}_scales", f"{prefix}_zp"], [y],
+                             name=f"{prefix}_MatMulNBits", domain="com.microsoft", K=k, N=n, bits=4,
+                             block_size=block_size, accuracy_level=accuracy_level)
+    if not frac.any():
+        return [nbits], inits, exact
+    nodes = []
+    nb = frac.shape[1]
+    ind = f"int4_block_indicator_{k}x{block_size}"
+    if ind not in done:
+        done[ind] = True
+        inits.append(numpy_helper.from_array(
+            (np.arange(k)[:, None] // block_size == np.arange(nb)[None, :]).astype(np.float32), ind))
+    sums = done.get((a, ind))
+    if sums is None:
+        sums = done[(a, ind)] = f"{a}_int4_block_sums"
+        nodes.append(helper.make_node("MatMul", [a, ind], [sums], name=f"{sums}_MatMul"))
+    corr = -(scales.reshape(n, nb) * frac).T.astype(np.float32)
+    inits.append(numpy_helper.from_array(np.ascontiguousarray(corr), f"{prefix}_zp_correction"))
+    nbits.output[0] = f"{prefix}_int4_main"
+    nodes += [nbits,
+              helper.make_node("MatMul", [sums, f"{prefix}_zp_correction"], [f"{prefix}_int4_corr"],
+                               name=f"{prefix}_corr_MatMul"),
+              helper.make_node("Add", [f"{prefix}_int4_main", f"{prefix}_int4_corr"], [y], name=f"{prefix}_Add")]
+    return nodes, inits, exact
+
+
 def quantize_matmuls_int4(model: onnx.ModelProto, block_size: int = 32, accuracy_level: int = 4) -> dict:
-    """Every MatMul whose weight is a 2-D float32 initializer -> MatMulNBits (com.microsoft, bits=4,
-    float zero points) packed by pack_int4_affine. Weights that are no longer used are dropped.
+    """Every MatMul whose weight is a 2-D float32 initializer -> int4_matmul_nodes (MatMulNBits packed by
+    pack_int4_affine). Weights that are no longer used are dropped.
     Returns {"int4_blocks": total blocks, "int4_exact_blocks": blocks stored without rounding}."""
     from onnx import numpy_helper
 
     inits = {i.name: i for i in model.graph.initializer}
-    packed: dict[str, tuple[str, str, str]] = {}  # weight name -> (B, scales, zero_points) names
     total = exact = 0
+    done: dict = {}
     nodes = []
-    for node in model.graph.node:
+    for i, node in enumerate(model.graph.node):
         w = inits.get(node.input[1]) if node.op_type == "MatMul" else None
         if w is None or len(w.dims) != 2 or w.data_type != onnx.TensorProto.FLOAT:
             nodes.append(node)
             continue
-        k, n = w.dims
-        if w.name not in packed:
-            b, s, z, ex = pack_int4_affine(numpy_helper.to_array(w), block_size)
-            names = (f"{w.name}_Q4", f"{w.name}_scales", f"{w.name}_zp")
-            model.graph.initializer.extend(numpy_helper.from_array(a, nm) for a, nm in zip((b, s, z), names))
-            packed[w.name] = names
-            total += s.size
-            exact += ex
-        nodes.append(helper.make_node("MatMulNBits", [node.input[0], *packed[w.name]], list(node.output),
-                                      name=f"{node.name}_Q4", domain="com.microsoft", K=k, N=n, bits=4,
-                                      block_size=block_size, accuracy_level=accuracy_level))
+        new, new_inits, ex = int4_matmul_nodes(node.input[0], node.output[0], numpy_helper.to_array(w),
+                                               f"{node.name or 'matmul'}_{i}", block_size, accuracy_level, done)
+        nodes += new
+        model.graph.initializer.extend(new_inits)
+        total += -(-w.dims[0] // block_size) * w.dims[1]
+        exact += ex
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     used = {x for nd in model.graph.node for x in nd.input} | {o.name for o in model.graph.output}
     keep = [i for i in model.graph.initializer if i.name in used]
     del model.graph.initializer[:]
     model.graph.initializer.extend(keep)
-    if packed and not any(o.domain == "com.microsoft" for o in model.opset_import):
+    if total and not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return {"int4_blocks": total, "int4_exact_blocks": exact}
 
 
-def quantize_weights_int4(path: Path, block_size: int = 32, embedding: bool = False) -> dict:
+def quantize_weights_int4(path: Path, block_size: int = 32, embedding: bool = False, accuracy_level: int = 4) -> dict:
     """Rewrite the .onnx in place with MatMul weights as int4 MatMulNBits (quantize_matmuls_int4:
     lossless for weights that already lie on a 4-bit grid, such as a GGUF Q4 model's dequantization);
     with embedding=True the token embedding's Gather too, as int4 GatherBlockQuantized by onnxruntime's
@@ -345,7 +398,7 @@ def quantize_weights_int4(path: Path, block_size: int = 32, embedding: bool = Fa
     model = onnx.load(str(path))
     if embedding:
         fold_weight_transposes(model)
-    stats = quantize_matmuls_int4(model, block_size)
+    stats = quantize_matmuls_int4(model, block_size, accuracy_level)
     if embedding:
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
