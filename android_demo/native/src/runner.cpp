@@ -91,6 +91,7 @@ struct Runner::Impl {
   ConvSpec conv_spec;
   uint32_t codes_itemsize = 1, code_bytes = 0, scale_bytes = 0;
   bool has_stage = false;
+  bool ran_step = false;  // this runner's program has run: the kernels' pool views can be its own
   // memory
   std::vector<std::unique_ptr<Arena>> arenas;  // index i = memory id i + 1 (0: activations)
   std::vector<et::Span<uint8_t>> spans;
@@ -354,6 +355,8 @@ struct Runner::Impl {
     uint8_t* stage = nullptr;
   };
   bool pool_views(std::vector<LayerPool>* out) const {
+    // before this runner's first step the views may be a closed runner's (its arenas' addresses reused)
+    if (!ran_step) return false;
     out->assign(static_cast<size_t>(num_layers), LayerPool{});
     const size_t rec = static_cast<size_t>(kv_heads) * block_size;
     const size_t stage_one = static_cast<size_t>(2 * 2) * kv_heads * block_size * head_dim * 2;
@@ -629,6 +632,7 @@ struct Runner::Impl {
                                                "); see the log for the kernel's message");
     }
     pool->commit(c.seq, T);  // a sliding group hands back the blocks that left its window
+    ran_step = true;
     c.history.insert(c.history.end(), toks.begin(), toks.end());
     const auto& out = res.get()[0].toTensor();
     const int V = static_cast<int>(out.size(out.dim() - 1));
@@ -860,8 +864,8 @@ int Runner::restore(const std::string& path) {
     for (int i = 0; i < dead && i < nb; ++i)
       if (cg.present[static_cast<size_t>(i)])
         throw bad("holds blocks of layer group " + std::to_string(gi) + " that its window would not keep (damaged)");
-    if (nb && !cg.present[static_cast<size_t>(nb - 1)])
-      throw bad("has a hole at the last block of layer group " + std::to_string(gi) + " (damaged)");
+    if (n % bs && !cg.present[static_cast<size_t>(nb - 1)])  // a partly filled block is never dropped
+      throw bad("has a hole at the last, partly filled block of layer group " + std::to_string(gi) + " (damaged)");
   }
   if (static_cast<int>(m.pool->live_sequences().size()) >= m.max_seqs)
     throw RunnerError(ErrorCode::kState, "all " + std::to_string(m.max_seqs) + " conversation slots are in use: close "
