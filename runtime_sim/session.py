@@ -146,5 +146,7 @@ def open_artifacts(art_dir, backend: str = "onnxruntime", native: bool | None = 
     engine = Engine(be, load_tokenizer(art_dir, manifest), prefill_chunk=min(chunk, 64), policy=policy,
                     sink_blocks=max(1, be.layout.spec.sink_blocks))
     engine.manifest = manifest
-    engine.stop_ids = tuple(manifest["model"].get("eos_token_ids", []))
+    # the model's eos ids and the chat's end-of-turn ids (export writes both; the manifest checks them)
+    engine.stop_ids = tuple(dict.fromkeys([*manifest["model"].get("eos_token_ids", []),
+                                           *manifest.get("stop_token_ids", [])]))
     return engine

@@ -97,3 +97,13 @@ def test_malformed_weights_sha(exported):
             validate_manifest(m)
     del m["model"]["weights_sha256"]  # optional: manifests written before it was recorded still read
     validate_manifest(m)
+
+
+def test_desktop_chat_stops_at_the_manifests_end_of_turn(exported):
+    """runtime_sim stops generating at the chat's end-of-turn token, not only at eos (as the runner does)."""
+    from runtime_sim.session import open_artifacts
+
+    out, tok = exported
+    engine = open_artifacts(out, "onnxruntime")
+    assert tok.convert_tokens_to_ids("<|im_end|>") in engine.stop_ids
+    assert tok.eos_token_id in engine.stop_ids
