@@ -132,6 +132,9 @@ def main(argv=None) -> int:
                     help="existing artifacts dirs of the same model to score as well")
     ap.add_argument("--pool-tokens", type=int, default=1024, help="pool of the exports (>= --ctx)")
     ap.add_argument("--threads", type=int, default=0, help="onnxruntime threads (0 = its default)")
+    ap.add_argument("--backend", choices=["onnxruntime", "executorch"], default="onnxruntime",
+                    help="runtime of the artifact rows: executorch scores .pte artifacts (pass them with "
+                    "--artifacts and --weights with no format, e.g. --weights --backend executorch --artifacts DIR)")
     ap.add_argument("--force-export", action="store_true", help="re-export even when a cached export validates")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "weights_fidelity.json")
     args = ap.parse_args(argv)
@@ -155,7 +158,7 @@ def main(argv=None) -> int:
     bos_id = tokenizer_bos(tokenizer)
     t0 = time.perf_counter()
     res = evaluate_ids(model, ids, args.ctx, [args.spec], args.windows, model_name=args.model, bos_id=bos_id,
-                       artifacts=arts, threads=args.threads)
+                       artifacts=arts, threads=args.threads, backend=args.backend)
     seconds = time.perf_counter() - t0
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), "unknown")
@@ -163,7 +166,7 @@ def main(argv=None) -> int:
         text=args.text.name, windows=args.windows, predictions=args.windows * (args.ctx - 1), seconds=round(seconds, 1),
         cpu=cpu, torch_threads=torch.get_num_threads(), ort_threads=args.threads,
         method="teacher-forced windows from the start of the text; reference = fp32 weights (PyTorch) with an fp32 "
-        "pool; artifact rows run through runtime_sim's Engine on onnxruntime (prefill chunks of 64); metrics over "
+        f"pool; artifact rows run through runtime_sim's Engine on {args.backend} (prefill chunks of 64); metrics over "
         "the ctx-1 next-token positions of each window",
         command="python benchmarks/weights_fidelity.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     )
