@@ -138,6 +138,7 @@ def main(argv=None) -> int:
         return worker(args)
 
     sys.path.insert(0, str(REPO))
+    from benchmarks.e2e import cpu_model
     from toolkit.model_loading import gemma3_gguf_path, load_model
 
     gguf = gemma3_gguf_path()
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
             sys.exit(f"llama.cpp is unavailable: {msg} (--skip-llamacpp leaves it out)")
         llama_py, llama_build = llamacpp_python(args.llamacpp_venv), build_flags()
     report = {"model": "Gemma 3 270M (Q4_K_M GGUF)", "threads": args.threads, "steps": args.steps,
-              "cpu": _cpu_name(), "ours": "ONNX int4-e4 weights, KV spec best (export's default for Gemma 3), layer groups, onnxruntime",
+              "cpu": cpu_model(), "ours": "ONNX int4-e4 weights, KV spec best (export's default for Gemma 3), layer groups, onnxruntime",
               "llamacpp_build": llama_build, "runs": []}
     for ctx in args.ctx:
         ids = [tok.bos_token_id] + all_ids[: ctx - 1]
@@ -174,13 +175,6 @@ def main(argv=None) -> int:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         _print_row(row)
     return 0
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "?"
 
 
 def _print_row(row: dict) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -31,17 +30,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.e2e import cpu_model  # noqa: E402
+
 POLICIES = ("evict", "sliding", "adaptive")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def run_engine(policy: str, blocks: int, chats: int, user: int, decode: int, max_turns: int) -> dict:
@@ -103,7 +94,7 @@ def main(argv=None) -> int:
     engine = [run_engine(p, a.blocks, a.chats, a.user, a.decode, a.max_turns) for p in POLICIES]
     evict = max(1, engine[0]["tokens_held_before_first_loss"])
     print(f"engine: {a.blocks} blocks x 16 = {a.blocks * 16} tokens, {a.chats} chats, turns of {a.user}+{a.decode} "
-          f"tokens, torch backend, tiny llama, {cpu_name()}")
+          f"tokens, torch backend, tiny llama, {cpu_model()}")
     print("| policy | tokens held before first loss | x evict | first loss | turns | spills | restores | slides |")
     print("|---|---:|---:|---|---:|---:|---:|---:|")
     for r in engine:
@@ -122,7 +113,7 @@ def main(argv=None) -> int:
                   f"{la['pressure']['spills']} | {la['losses']} | {la['peak_flash_bytes'] / 2**20:.0f} MiB |")
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "pressure_ladder.json").write_text(json.dumps({
-        "cpu": cpu_name(), "params": vars(a) | {"out": str(a.out)}, "engine": engine, "simulate": sim}, indent=1) + "\n")
+        "cpu": cpu_model(), "params": vars(a) | {"out": str(a.out)}, "engine": engine, "simulate": sim}, indent=1) + "\n")
     print(f"\nwrote {a.out / 'pressure_ladder.json'}")
     return 0
 

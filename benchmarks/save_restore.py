@@ -43,7 +43,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.e2e import DEFAULT_TEXT, ensure_artifact, last_json, prepare_ids, worker_env  # noqa: E402
+from benchmarks.e2e import DEFAULT_TEXT, cpu_model, ensure_artifact, last_json, prepare_ids, worker_env  # noqa: E402
 from benchmarks.llamacpp_peer import build_flags, cache_root, ensure_llamacpp, llamacpp_python  # noqa: E402
 
 LLAMACPP_SCRIPT = r"""
@@ -208,8 +208,7 @@ def main(argv=None) -> int:
     out = {"benchmark": "save_restore", "model": "SmolLM2-135M-Instruct", "spec": "default",
            "ours": "onnxruntime, int4 MatMulNBits weights, native pagedkv kernel", "threads": args.threads,
            "repeats": args.repeats, "cpu": platform.processor() or platform.machine(),
-           "cpu_model": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                              if ln.startswith("model name")), "?"),
+           "cpu_model": cpu_model(),
            "llama_cpp": llama_version, "llamacpp_build": build_flags() if llama_ok else None, "rows": rows, "targets": targets,
            "command": "python benchmarks/save_restore.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     args.json.parent.mkdir(parents=True, exist_ok=True)

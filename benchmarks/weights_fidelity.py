@@ -26,6 +26,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.e2e import cpu_model  # noqa: E402
 from toolkit.fidelity import evaluate_ids, markdown_table, tokenize, tokenizer_bos  # noqa: E402
 
 DEFAULT_TEXT = REPO / ".." / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
@@ -160,8 +161,7 @@ def main(argv=None) -> int:
     res = evaluate_ids(model, ids, args.ctx, [args.spec], args.windows, model_name=args.model, bos_id=bos_id,
                        artifacts=arts, threads=args.threads, backend=args.backend)
     seconds = time.perf_counter() - t0
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "unknown")
+    cpu = cpu_model()
     res.update(
         text=args.text.name, windows=args.windows, predictions=args.windows * (args.ctx - 1), seconds=round(seconds, 1),
         cpu=cpu, torch_threads=torch.get_num_threads(), ort_threads=args.threads,
