@@ -51,3 +51,18 @@ def wikitext_path() -> Path:
 def wikitext() -> Path:
     """wikitext-2's test split (wikitext_path)."""
     return wikitext_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_onnx_pte(tmp_path_factory, wikitext) -> Path:
+    """A tiny llama with a BPE tokenizer trained on wikitext, exported to ONNX and .pte (default spec,
+    a 256-token pool for 2 sequences, calls of up to 32 tokens): the save/restore and ladder tests
+    share it (tests open it read-only)."""
+    from export.artifacts import PoolRequest, export_artifacts
+    from toolkit.tiny_models import tiny_bpe_tokenizer, tiny_model
+
+    lines = [ln for ln in wikitext.read_text(encoding="utf-8").splitlines() if ln.strip()][:2000]
+    out = tmp_path_factory.mktemp("exported") / "tiny"
+    export_artifacts("tiny-llama", out, ("onnx", "pte"), "default", PoolRequest(pool_tokens=256, max_seqs=2),
+                     max_tokens_per_call=32, model_and_tokenizer=(tiny_model("llama"), tiny_bpe_tokenizer(lines)))
+    return out

@@ -168,16 +168,8 @@ def test_policy_is_known_to_the_cli_and_session():
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory, wikitext):
-    from export.artifacts import PoolRequest, export_artifacts
-
-    from toolkit.tiny_models import tiny_bpe_tokenizer
-
-    lines = [ln for ln in wikitext.read_text(encoding="utf-8").splitlines() if ln.strip()][:2000]
-    out = tmp_path_factory.mktemp("exported") / "tiny"
-    export_artifacts("tiny-llama", out, ("onnx", "pte"), "default", PoolRequest(pool_tokens=256, max_seqs=2),
-                     max_tokens_per_call=32, model_and_tokenizer=(tiny_model("llama"), tiny_bpe_tokenizer(lines)))
-    return out
+def exported(tiny_llama_onnx_pte):
+    return tiny_llama_onnx_pte
 
 
 @pytest.mark.parametrize("backend,native", [("onnxruntime", True), ("onnxruntime", False), ("executorch", None)],
