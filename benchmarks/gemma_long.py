@@ -4,6 +4,20 @@ groups: the 15 sliding layers keep only their 512-token window) next to llama.cp
 
     python benchmarks/gemma_long.py --ctx 2048 8192 32768 --steps 32 --threads 1
     python benchmarks/gemma_long.py --ctx 2048 --skip-llamacpp
+    python benchmarks/gemma_long.py --ctx 32768 2048 8192 --llamacpp-kv-max-ctx q8_0/q4_0=8192
+
+    python benchmarks/gemma_long.py --ctx 32768 --runner <.pte artifacts> --out benchmarks/results/gemma_long_runner.json
+
+`--runner ARTIFACTS` measures only the Android runner (android_demo/native's pagedkv-runner, host build
+from `make native` / ci_build.sh host) on a .pte export of the model: it tokenizes the first ctx tokens of
+wikitext-2 with Gemma's own tokenizer (no BOS: the runner's CLI adds no special tokens), prefills them and
+decodes `steps` greedy tokens; the row gets its peak RSS, KV bytes, TTFT and tok/s ("runner").
+`--llamacpp-kv-max-ctx KV=CTX` runs llama.cpp with that KV type pair only up to CTX tokens (its
+q8_0/q4_0 flash-attention path prefills slowly on CPU: 1,259 s at 8K on the shared Xeon); a ctx above it
+gets a "not run" entry that still carries the KV bytes of llama.cpp's allocation formula (an
+allocation: it needs no prefill). Rows are written sorted by ctx, each with the load averages
+(os.getloadavg) taken before and after every side, since the machine is shared; a row already in --out
+keeps the sides this run does not measure.
 
 For each ctx: the first ctx tokens of wikitext-2 (BOS first) are prefilled, then `steps` greedy
 tokens are decoded and timed (after 4 untimed ones). Our KV bytes are the engine's own count of the
@@ -34,6 +48,7 @@ WARMUP = 4
 # Gemma 3 270M: 18 layers (every 6th global), 1 KV head x 256, sliding window 512
 LAYERS, GLOBAL_LAYERS, KV_DIM, WINDOW = 18, 3, 256, 512
 LLAMACPP_BYTES = {"f16": (2, 1), "q8_0": (34, 32), "q4_0": (18, 32)}  # bytes per values
+LLAMACPP_KVS = ("f16/f16", "q8_0/q4_0")  # K/V type pairs run against ours
 
 
 def llamacpp_kv_bytes(type_k: str, type_v: str, n_ctx: int, n_ubatch: int = 512) -> int:
@@ -44,6 +59,23 @@ def llamacpp_kv_bytes(type_k: str, type_v: str, n_ctx: int, n_ubatch: int = 512)
     swa_cells = min(n_ctx, -(-(WINDOW + n_ubatch) // 256) * 256)
     per = lambda cells: cells_bytes(cells, type_k) + cells_bytes(cells, type_v)  # noqa: E731
     return GLOBAL_LAYERS * per(n_ctx) + (LAYERS - GLOBAL_LAYERS) * per(swa_cells)
+
+
+def parse_kv_max_ctx(items: list[str]) -> dict[str, int]:
+    """['q8_0/q4_0=8192'] -> {'q8_0/q4_0': 8192}; bad input is one line and exit 2."""
+    out = {}
+    for it in items:
+        kv, _, n = it.partition("=")
+        if kv not in LLAMACPP_KVS or not n.isdigit():
+            print(f"gemma_long: bad --llamacpp-kv-max-ctx {it!r}: give KV=CTX with KV one of "
+                  f"{', '.join(LLAMACPP_KVS)} and CTX a token count (e.g. q8_0/q4_0=8192)", file=sys.stderr)
+            sys.exit(2)
+        out[kv] = int(n)
+    return out
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def worker(args) -> int:
@@ -96,6 +128,36 @@ def export_ours(max_ctx: int) -> Path:
     return out
 
 
+def run_runner(art: Path, ctx: int, steps: int, threads: int) -> dict:
+    """pagedkv-runner on a .pte export: the first ctx tokens of wikitext-2, then `steps` greedy tokens."""
+    runner = REPO / "build" / "android-host" / "pagedkv-runner"
+    if not runner.is_file():
+        sys.exit(f"gemma_long: {runner} is missing: build it with `make native` (android_demo/native/ci_build.sh host)")
+    load0 = loadavg()
+    p = subprocess.run([str(runner), str(art), "--prompt-file", str(TEXT), "--ctx", str(ctx), "--decode",
+                        str(steps + WARMUP), "--threads", str(threads), "--json"], capture_output=True, text=True)
+    if p.returncode != 0:
+        return {"error": p.stderr.strip()[-400:], "loadavg_before_after": [load0, loadavg()]}
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    keep = ("ttft_s", "prefill_tok_s", "decode_tok_s", "peak_rss_bytes", "kv_bytes", "weights_file_resident_bytes",
+            "kv_pool_resident_bytes", "activations_resident_bytes", "rest_bytes", "isa", "groups")
+    out = {k: r[k] for k in keep if k in r}
+    out["prefill_s"] = ctx / r["prefill_tok_s"] if r.get("prefill_tok_s") else None
+    out["decoded_tokens"] = len(r["generated"])
+    out["loadavg_before_after"] = [load0, loadavg()]
+    return out
+
+
+def write_rows(out: Path, report: dict, rows: list[dict]) -> None:
+    """Rows into `out`, sorted by ctx; a ctx already there keeps the sides these rows do not have."""
+    old = json.loads(out.read_text()) if out.is_file() else {}
+    merged = {r["ctx"]: r for r in old.get("runs", [])}
+    for r in rows:
+        merged[r["ctx"]] = {**merged.get(r["ctx"], {}), **r}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**old, **report, "runs": [merged[c] for c in sorted(merged)]}, indent=2) + "\n")
+
+
 def run_ours(art: Path, ids: list[int], steps: int, threads: int) -> dict:
     import numpy as np
 
@@ -126,6 +188,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--runner", type=Path, default=None, metavar="ARTIFACTS",
+                    help="measure only the Android runner (pagedkv-runner) on this .pte export")
+    ap.add_argument("--llamacpp-kv-max-ctx", nargs="*", default=[], metavar="KV=CTX",
+                    help="run llama.cpp with KV types KV only up to CTX tokens, e.g. q8_0/q4_0=8192 (larger ctx: "
+                         "'not run', KV bytes from llama.cpp's allocation formula)")
     ap.add_argument("--llamacpp-venv", type=Path, default=None,
                     help="default ~/.cache/pagedkv/llamacpp-<isa>-venv (benchmarks/llamacpp_peer.py)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gemma_long.json")
@@ -136,6 +203,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
+    kv_max_ctx = parse_kv_max_ctx(args.llamacpp_kv_max_ctx)
+    if args.runner is not None:
+        return runner_main(args)
 
     sys.path.insert(0, str(REPO))
     from benchmarks.e2e import cpu_model
@@ -159,21 +229,58 @@ def main(argv=None) -> int:
               "llamacpp_build": llama_build, "runs": []}
     for ctx in args.ctx:
         ids = [tok.bos_token_id] + all_ids[: ctx - 1]
+        load0 = loadavg()
         row = {"ctx": ctx, "ours": run_ours(art, ids, args.steps, args.threads)}
+        row["ours"]["loadavg_before_after"] = [load0, loadavg()]
         if not args.skip_llamacpp:
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                 json.dump(ids, f)
-            for kv in ("f16/f16", "q8_0/q4_0"):
+            for kv in LLAMACPP_KVS:
+                if ctx > kv_max_ctx.get(kv, ctx):
+                    n_ctx = -(-(len(ids) + args.steps + WARMUP + 1) // 256) * 256
+                    row[f"llamacpp {kv}"] = {
+                        "not run": f"--llamacpp-kv-max-ctx {kv}={kv_max_ctx[kv]} (its CPU prefill is slow: "
+                                   "1,259 s at 8K on this machine)",
+                        "n_ctx": n_ctx, "kv_bytes": llamacpp_kv_bytes(*kv.split("/"), n_ctx),
+                        "kv_bytes_from": "llama.cpp's iSWA cache allocation formula (allocated at context "
+                                         "creation, so it needs no prefill)"}
+                    continue
+                load0 = loadavg()
                 p = subprocess.run([str(llama_py), __file__, "--worker", "--gguf",
                                     str(gguf), "--ids", f.name, "--kv", kv, "--steps", str(args.steps),
                                     "--threads", str(args.threads)], capture_output=True, text=True)
-                row[f"llamacpp {kv}"] = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else \
+                r = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else \
                     {"error": p.stderr.strip()[-400:]}
+                r["loadavg_before_after"] = [load0, loadavg()]
+                row[f"llamacpp {kv}"] = r
             os.unlink(f.name)
         report["runs"].append(row)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write_rows(args.out, {k: v for k, v in report.items() if k != "runs"}, report["runs"])
         _print_row(row)
+    return 0
+
+
+def runner_main(args) -> int:
+    sys.path.insert(0, str(REPO))
+    from benchmarks.e2e import cpu_model
+
+    man = json.loads((args.runner / "pagedkv.json").read_text()) if (args.runner / "pagedkv.json").is_file() else None
+    if not man or "pte" not in man.get("artifacts", {}):
+        print(f"gemma_long: {args.runner} is not a .pte export (no pagedkv.json with a pte entry): export one with "
+              "`pagedkv export gemma3-270m --format pte`", file=sys.stderr)
+        return 2
+    pte = man["artifacts"]["pte"]
+    report = {"runner": {"artifacts": str(args.runner), "weights": pte.get("weights"), "spec": man.get("spec", {}).get("name"),
+                         "max_tokens_per_call": pte.get("max_tokens_per_call"), "threads": args.threads,
+                         "cpu": cpu_model(), "prompt": "first ctx tokens of wikitext-2 test, runner's tokenizer, no BOS",
+                         "timed": f"{args.steps + WARMUP} decode steps (the runner times all of them)"}}
+    for ctx in args.ctx:
+        row = {"ctx": ctx, "runner": run_runner(args.runner, ctx, args.steps, args.threads)}
+        write_rows(args.out, report, [row])
+        r = row["runner"]
+        print(f"ctx {ctx}: runner " + (f"failed: {r['error']}" if "error" in r else
+              f"KV {r['kv_bytes'] / 2**20:.1f} MiB, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB, TTFT {r['ttft_s']:.1f} s, "
+              f"decode {r['decode_tok_s']:.2f} tok/s"))
     return 0
 
 
@@ -183,7 +290,10 @@ def _print_row(row: dict) -> None:
           f"{o['kv_bytes_one_table'] / 2**20:.1f} MiB), decode {o['decode_tok_s']:.1f} tok/s, prefill {o['prefill_s']:.0f} s")
     for k in ("llamacpp f16/f16", "llamacpp q8_0/q4_0"):
         r = row.get(k)
-        if r and "error" not in r:
+        if r and "not run" in r:
+            print(f"  {k}: KV {r['kv_bytes'] / 2**20:.1f} MiB (allocation; ours {o['kv_bytes'] / r['kv_bytes']:.2f}x), "
+                  f"not run: {r['not run']}")
+        elif r and "error" not in r:
             print(f"  {k}: KV {r['kv_bytes'] / 2**20:.1f} MiB (ours {o['kv_bytes'] / r['kv_bytes']:.2f}x), decode "
                   f"{r['decode_tok_s']:.1f} tok/s (ours {o['decode_tok_s'] / r['decode_tok_s']:.2f}x)")
         elif r:
