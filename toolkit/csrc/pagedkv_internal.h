@@ -1,8 +1,11 @@
-// Internal: what the per-ISA attention translation units share with pagedkv_core.cpp.
+// Internal: what the core's translation units share (pagedkv_core.cpp: the op and code-path choice;
+// pagedkv_quant.cpp: the record format; pagedkv_threads.cpp: threads; pagedkv_core_<isa>.cpp: the
+// attention paths).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 
 #include "pagedkv_core.h"
 
@@ -75,5 +78,12 @@ struct ExpConsts {
 
 // Generic bit unpacking (any 2..8 bits): codes -> n unsigned values as bytes.
 void unpack_codes(const uint8_t* codes, int bits, int n, uint8_t* out);
+
+// n floats of this thread's scratch, starting on a cache line (reused by the thread's next call).
+float* thread_scratch(size_t n);
+
+// Runs fn(i) for every i in [0, items): when `parallel`, on the host's pool (if any) or the core's own
+// (set_num_threads), else on the calling thread; records last_call_threads() / last_call_pool().
+void run_items(int items, bool parallel, const HostPool* host, const std::function<void(int)>& fn);
 
 }  // namespace pagedkv

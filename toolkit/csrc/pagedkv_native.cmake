@@ -5,7 +5,7 @@
 #   pagedkv_core_sources(<dir of the core sources> <out: sources> <out: definitions>)
 # Each SIMD path is its own translation unit compiled for its ISA; the core picks one at run time.
 function(pagedkv_core_sources dir out_src out_defs)
-  set(src ${dir}/pagedkv_core.cpp)
+  set(src ${dir}/pagedkv_core.cpp ${dir}/pagedkv_quant.cpp ${dir}/pagedkv_threads.cpp)
   set(defs "")
   if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64|i.86)$")
     list(APPEND src ${dir}/pagedkv_core_avx2.cpp ${dir}/pagedkv_core_avx512.cpp)
