@@ -272,3 +272,26 @@ def fp_stage_bytes_per_sequence(
 
 def fp16_bytes_per_token(num_kv_heads: int, head_dim: int, num_layers: int = 1) -> int:
     return 2 * 2 * head_dim * num_kv_heads * num_layers
+
+
+# ----------------------------------------------------------------------------------------------
+# The compact tier: aged blocks re-quantized to a spec of fewer bytes (issue 25)
+
+
+def check_compact(spec: KVQuantSpec, compact: KVQuantSpec, head_dim: int) -> KVQuantSpec:
+    """`compact` as the compact tier of a conversation in `spec`, or SpecError: both quantized, the same
+    rotation (queries are rotated once per call, for every block they read) and fewer record bytes.
+    Only its record fields count (bits, groups, sym); fp_tail and sink_blocks are the conversation's."""
+    spec.validate(head_dim)
+    compact.validate(head_dim)
+    if spec.is_float or compact.is_float:
+        raise SpecError("the compact tier re-quantizes integer codes: use quantized specs for both "
+                        f"(got {spec.describe()} -> {compact.describe()}).")
+    if compact.rotate != spec.rotate:
+        raise SpecError(f"compact spec rotate={compact.rotate} differs from the conversation's rotate={spec.rotate}: "
+                        "a query reads both tiers in one frame; set rotate to match.")
+    if bytes_per_token(compact, 1, head_dim) >= bytes_per_token(spec, 1, head_dim):
+        raise SpecError(f"compact spec {compact.describe()} takes {bytes_per_token(compact, 1, head_dim)} bytes per "
+                        f"token-head, not fewer than {spec.describe()}'s {bytes_per_token(spec, 1, head_dim)}: "
+                        "lower its bits.")
+    return compact

@@ -39,10 +39,28 @@ SCALAR_ARG_NAMES = (
     "fp_tail", "sink_blocks", "scale", "window", "softcap",
 )
 
+# The mixed-table form (the compact tier, POOL_FORMAT.md "Compact region"): two more read-only pool
+# tensors after stage, and the compact spec's record fields last. Block ids >= codes.shape[0] in a
+# block table name compact block id - codes.shape[0]. A separate op, so that the default op, its
+# artifacts and its kernels stay exactly as they are.
+_MIXED_ARGS = (
+    "Tensor q, Tensor k, Tensor v, Tensor{a} codes, Tensor{b} scales, Tensor{c} stage, "
+    "Tensor compact_codes, Tensor compact_scales, "
+    "Tensor positions, Tensor seq_ids, Tensor block_tables, Tensor sinks, int layer, "
+    "int k_bits, int v_bits, int k_group, int v_group, bool k_sym, bool v_sym, bool rotate, "
+    "bool fp_tail, int sink_blocks, float scale, int window, float softcap, "
+    "int ck_bits, int cv_bits, int ck_group, int cv_group, bool ck_sym, bool cv_sym"
+)
+MIXED_INPLACE_ARGS = _MIXED_ARGS.format(a="(a!)", b="(b!)", c="(c!)")
+MIXED_FUNCTIONAL_ARGS = _MIXED_ARGS.format(a="", b="", c="")
+COMPACT_SCALAR_ARG_NAMES = ("ck_bits", "cv_bits", "ck_group", "cv_group", "ck_sym", "cv_sym")
+
 _lib = torch.library.Library("pagedkv", "DEF")
 _lib.define(f"quantized_paged_attention({INPLACE_ARGS}) -> Tensor")
 _lib.define(f"quantized_paged_attention.out({INPLACE_ARGS}, *, Tensor(d!) out) -> Tensor(d!)")
 _lib.define(f"quantized_paged_attention_functional({FUNCTIONAL_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
+_lib.define(f"quantized_paged_attention_mixed({MIXED_INPLACE_ARGS}) -> Tensor")
+_lib.define(f"quantized_paged_attention_mixed_functional({MIXED_FUNCTIONAL_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 def _check_finite(x: torch.Tensor, name: str, layer: int, positions: torch.Tensor, seq_ids: torch.Tensor):
@@ -56,10 +74,13 @@ def _check_finite(x: torch.Tensor, name: str, layer: int, positions: torch.Tenso
         )
 
 
-def _check_metadata(positions, seq_ids, block_tables, num_blocks: int, block_size: int, layer: int):
+def _check_metadata(positions, seq_ids, block_tables, num_blocks: int, block_size: int, layer: int,
+                    num_compact: int = 0):
     """The paging metadata of a call (eager only; a few reductions over [T] and [S, M]): every token's
-    sequence row and block exist, its position is >= 0, and its slot's block is a real block. Errors
-    name the bad value instead of surfacing as an IndexError or a NaN further down."""
+    sequence row and block exist, its position is >= 0, and its slot's block is a real block of the
+    default region (new tokens are never written to the compact region, ids num_blocks ..
+    num_blocks + num_compact - 1, which the table may name for older blocks). Errors name the bad
+    value instead of surfacing as an IndexError or a NaN further down."""
     t = positions.shape[0]
     if seq_ids.shape[0] != t:
         raise PagedKVError(f"{t} positions but {seq_ids.shape[0]} seq_ids: give one of each per token.")
@@ -85,14 +106,19 @@ def _check_metadata(positions, seq_ids, block_tables, num_blocks: int, block_siz
     bad = (blocks < 0) | (blocks >= num_blocks)
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
-        what = "no block (-1)" if int(blocks[i]) < 0 else f"block {int(blocks[i])}, outside the pool of {num_blocks}"
+        b = int(blocks[i])
+        what = ("no block (-1)" if b < 0 else f"compact block {b} (id >= {num_blocks})" if b < num_blocks + num_compact
+                else f"block {b}, outside the pool of {num_blocks}")
         raise PagedKVError(f"layer {layer}: position {int(positions[i])} of sequence {int(seq_ids[i])} maps to "
-                           f"{what}: the block table must give every written token a block of the pool.")
+                           f"{what}: the block table must give every written token a block of the pool's "
+                           "default region.")
     live = block_tables[seq_ids]
-    bad = live >= num_blocks
+    total = num_blocks + num_compact
+    bad = live >= total
     if bool(bad.any()):
-        raise PagedKVError(f"the block table names block {int(live[bad].max())}, outside the pool of {num_blocks} "
-                           "blocks: use ids 0..num_blocks-1, or -1 for none.")
+        extra = f" + {num_compact} compact" if num_compact else ""
+        raise PagedKVError(f"the block table names block {int(live[bad].max())}, outside the pool of {num_blocks}"
+                           f"{extra} blocks: use ids 0..{total - 1}, or -1 for none.")
 
 
 def _tracing(x: torch.Tensor) -> bool:
@@ -128,14 +154,31 @@ def _update_stage(old: torch.Tensor, one_hot: torch.Tensor, new_rows: torch.Tens
     return torch.where(hit[:, None, :, None], scattered, old.float()).to(old.dtype)
 
 
+def _gather_dequantized(codes, scales, idx, hkv: int, bs: int, k_bits, v_bits, k_group, v_group, k_sym, v_sym, d):
+    """The blocks idx [n, M] of one region, dequantized: (K, V) [n, Hkv, M*bs, D] float32."""
+    n, m = idx.shape
+    gathered = codes[idx].permute(0, 2, 1, 3, 4).reshape(n, hkv, m * bs, -1)
+    gscales = scales[idx].permute(0, 2, 1, 3, 4).reshape(n, hkv, m * bs, -1)
+    kcb = d * k_bits // 8
+    ksc = (d // k_group) * (1 if k_sym else 2)
+    k_all = dequantize(gathered[..., :kcb], gscales[..., :ksc], k_bits, k_group, k_sym, d)
+    v_all = dequantize(gathered[..., kcb:], gscales[..., ksc:], v_bits, v_group, v_sym, d)
+    return k_all, v_all
+
+
 def reference_paged_attention(
     q, k, v, codes, scales, stage, positions, seq_ids, block_tables, sinks, layer,
     k_bits, v_bits, k_group, v_group, k_sym, v_sym, rotate, fp_tail, sink_blocks, scale, window, softcap,
+    compact=None,
 ):
     """Plain-PyTorch semantics of the op. Returns (out [1,T,Hq,D] fp32, codes, scales, stage), new tensors.
 
     It dequantizes a gathered copy of each query's blocks: clear, not fast; the native kernels
     fuse the dequantization into the dot products instead.
+
+    compact: None, or the mixed op's compact region (compact_codes, compact_scales, ck_bits, cv_bits,
+    ck_group, cv_group, ck_sym, cv_sym): block-table ids >= codes.shape[0] read the compact region's
+    records (id - codes.shape[0]) with its spec; everything else is as without it.
     """
     _, hq, t, d = q.shape
     hkv = k.shape[1]
@@ -148,8 +191,10 @@ def reference_paged_attention(
     block_tables = block_tables.to(torch.int64)
 
     tracing = _tracing(k)
+    nd = codes.shape[0]
+    nc = compact[0].shape[0] if compact is not None else 0
     if not tracing:
-        _check_metadata(positions, seq_ids, block_tables, codes.shape[0], bs, layer)
+        _check_metadata(positions, seq_ids, block_tables, nd, bs, layer, nc)
         _check_finite(k[0], "K", layer, positions, seq_ids)
         _check_finite(v[0], "V", layer, positions, seq_ids)
 
@@ -179,14 +224,21 @@ def reference_paged_attention(
     shared = not tracing and bool((seq_ids == seq_ids[0]).all())
     idx = rows[:1].clamp(min=0) if shared else rows.clamp(min=0)
     n = idx.shape[0]
-    gathered = codes[idx].permute(0, 2, 1, 3, 4).reshape(n, hkv, m * bs, -1)
-    if quantized:
-        gscales = scales[idx].permute(0, 2, 1, 3, 4).reshape(n, hkv, m * bs, -1)
-        kcb = d * k_bits // 8
-        ksc = (d // k_group) * (1 if k_sym else 2)
-        k_all = dequantize(gathered[..., :kcb], gscales[..., :ksc], k_bits, k_group, k_sym, d)
-        v_all = dequantize(gathered[..., kcb:], gscales[..., ksc:], v_bits, v_group, v_sym, d)
+    if quantized and not nc:  # the default op: one region (exactly the graph the ONNX function exports)
+        k_all, v_all = _gather_dequantized(codes, scales, idx, hkv, bs, k_bits, v_bits, k_group, v_group,
+                                           k_sym, v_sym, d)
+    elif quantized:  # mixed table: each block from its region, dequantized with its region's spec
+        ccodes, cscales, ck_bits, cv_bits, ck_group, cv_group, ck_sym, cv_sym = compact
+        in_compact = idx >= nd  # [n, M]
+        k_all, v_all = _gather_dequantized(codes, scales, torch.where(in_compact, 0, idx), hkv, bs,
+                                           k_bits, v_bits, k_group, v_group, k_sym, v_sym, d)
+        kc_all, vc_all = _gather_dequantized(ccodes, cscales, torch.where(in_compact, idx - nd, 0), hkv, bs,
+                                             ck_bits, cv_bits, ck_group, cv_group, ck_sym, cv_sym, d)
+        sel = in_compact.repeat_interleave(bs, dim=1)[:, None, :, None]  # [n, 1, L, 1]
+        k_all = torch.where(sel, kc_all, k_all)
+        v_all = torch.where(sel, vc_all, v_all)
     else:
+        gathered = codes[idx].permute(0, 2, 1, 3, 4).reshape(n, hkv, m * bs, -1)
         k_all, v_all = gathered[..., :d].float(), gathered[..., d:].float()
 
     p = positions[:, None]
@@ -289,7 +341,31 @@ def _functional_impl(*args):
     return reference_paged_attention(*args)
 
 
+def _split_mixed(args):
+    """The mixed op's arguments -> (the default op's arguments, compact=...)."""
+    q, k, v, codes, scales, stage, ccodes, cscales, *rest = args
+    base, cspec = rest[:-6], rest[-6:]
+    return (q, k, v, codes, scales, stage, *base), (ccodes, cscales, *cspec)
+
+
+def _mixed_inplace_impl(*args):
+    base, compact = _split_mixed(args)
+    out, new_codes, new_scales, new_stage = reference_paged_attention(*base, compact=compact)
+    codes, scales, stage = base[3:6]
+    codes.copy_(new_codes)
+    scales.copy_(new_scales)
+    stage.copy_(new_stage)
+    return out
+
+
+def _mixed_functional_impl(*args):
+    base, compact = _split_mixed(args)
+    return reference_paged_attention(*base, compact=compact)
+
+
 _lib.impl("quantized_paged_attention", _inplace_impl, "CompositeExplicitAutograd")
+_lib.impl("quantized_paged_attention_mixed", _mixed_inplace_impl, "CompositeExplicitAutograd")
+_lib.impl("quantized_paged_attention_mixed_functional", _mixed_functional_impl, "CompositeExplicitAutograd")
 _lib.impl("quantized_paged_attention.out", _inplace_out_impl, "CompositeExplicitAutograd")
 _lib.impl("quantized_paged_attention_functional", _functional_impl, "CompositeExplicitAutograd")
 
@@ -311,4 +387,14 @@ def _inplace_out_fake(q, *args, out):
 
 @torch.library.register_fake("pagedkv::quantized_paged_attention_functional")
 def _functional_fake(q, k, v, codes, scales, stage, *args):
+    return _out_like(q), torch.empty_like(codes), torch.empty_like(scales), torch.empty_like(stage)
+
+
+@torch.library.register_fake("pagedkv::quantized_paged_attention_mixed")
+def _mixed_inplace_fake(q, *args):
+    return _out_like(q)
+
+
+@torch.library.register_fake("pagedkv::quantized_paged_attention_mixed_functional")
+def _mixed_functional_fake(q, k, v, codes, scales, stage, *args):
     return _out_like(q), torch.empty_like(codes), torch.empty_like(scales), torch.empty_like(stage)

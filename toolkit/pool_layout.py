@@ -12,6 +12,13 @@ buffer); block ids and block tables are shared by all layers:
 
 A token at position p of sequence s lives in slot block_tables[s, p // block_size] * block_size
 + p % block_size. Block table entries of -1 are holes (no block): their keys are skipped.
+
+A pool may also have a compact region (the compact tier, issue 25): per layer two more tensors
+    compact_codes  [num_compact_blocks, kv_heads, block_size, compact code_width]   uint8
+    compact_scales [num_compact_blocks, kv_heads, block_size, compact scale_width]  float16
+holding aged blocks re-quantized to the `compact` spec. Block ids num_blocks .. num_blocks +
+num_compact_blocks - 1 in a block table name compact block id - num_blocks. A layout without one
+(num_compact_blocks 0, the default) is exactly the pool it was before.
 toolkit/POOL_FORMAT.md documents the whole format (records, rotation, float copies, attention rule).
 """
 
@@ -21,7 +28,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from toolkit.errors import SpecError
-from toolkit.kv_spec import KVQuantSpec, bytes_per_token, fp_stage_bytes_per_sequence, record_layout
+from toolkit.kv_spec import KVQuantSpec, bytes_per_token, check_compact, fp_stage_bytes_per_sequence, record_layout
 
 # element sizes of the pool's dtypes (by name: no torch import for the runtimes that do not need it)
 ELEMENT_BYTES = {"uint8": 1, "float16": 2, "float32": 4}
@@ -65,9 +72,16 @@ class PoolLayout:
     block_size: int
     num_blocks: int
     max_seqs: int
+    compact: KVQuantSpec | None = None  # the compact region's spec (None: no compact region)
+    num_compact_blocks: int = 0
 
     def __post_init__(self):
         check_block_size(self.block_size)
+        if self.num_compact_blocks < 0 or (self.num_compact_blocks > 0) != (self.compact is not None):
+            raise SpecError(f"num_compact_blocks={self.num_compact_blocks} with compact={self.compact}: a compact "
+                            "region needs both a compact spec and at least one block (or neither).")
+        if self.compact is not None:
+            check_compact(self.spec, self.compact, self.head_dim)
         if self.num_blocks < 1:
             raise SpecError(f"num_blocks={self.num_blocks}: the pool needs at least one block.")
         if self.max_seqs < 1:
@@ -101,12 +115,36 @@ class PoolLayout:
         rows = self.max_seqs if self.uses_stage else 1
         return (rows, 2, 2, self.num_kv_heads, self.block_size, self.head_dim)
 
+    def compact_codes_shape(self) -> tuple[int, ...]:
+        """The compact region's codes tensor (0 blocks when there is none)."""
+        width = record_layout(self.compact, self.head_dim).code_width if self.compact else 0
+        return (self.num_compact_blocks, self.num_kv_heads, self.block_size, width)
+
+    def compact_scales_shape(self) -> tuple[int, ...]:
+        width = record_layout(self.compact, self.head_dim).scale_width if self.compact else 0
+        return (self.num_compact_blocks, self.num_kv_heads, self.block_size, width)
+
+    @property
+    def compact_bytes_per_token(self) -> int:
+        """Pool bytes one token in the compact region costs, all layers (0 without a region)."""
+        if self.compact is None:
+            return 0
+        return bytes_per_token(self.compact, self.num_kv_heads, self.head_dim, self.num_layers)
+
+    def is_compact_block(self, block_id: int) -> bool:
+        """Whether a block-table entry names the compact region (ids >= num_blocks)."""
+        return block_id >= self.num_blocks
+
     def layer_tensor_bytes(self) -> dict[str, int]:
-        return {
+        out = {
             "codes": math.prod(self.codes_shape()) * ELEMENT_BYTES[self.codes_dtype_name],
             "scales": math.prod(self.scales_shape()) * 2,
             "stage": math.prod(self.stage_shape()) * 2,
         }
+        if self.num_compact_blocks:
+            out["compact_codes"] = math.prod(self.compact_codes_shape())
+            out["compact_scales"] = math.prod(self.compact_scales_shape()) * 2
+        return out
 
     @property
     def largest_allocation_bytes(self) -> int:
@@ -122,8 +160,8 @@ class PoolLayout:
 
     @property
     def fixed_bytes(self) -> int:
-        """Bytes of the pool that do not depend on its block count, all layers: the stage rows and the
-        float specs' scales placeholder. total_bytes == num_blocks * block_size * bytes_per_token + this."""
+        """Bytes of the pool that do not depend on its block count, all layers: the stage rows, the
+        float specs' scales placeholder and the compact region (if any). total_bytes == num_blocks * block_size * bytes_per_token + this."""
         return self.total_bytes - self.num_blocks * self.block_size * self.bytes_per_token
 
     @property
@@ -149,9 +187,21 @@ class PoolLayout:
 
         return tuple(torch.from_numpy(a) for a in self.allocate_layer_numpy())
 
+    def allocate_compact_layer(self) -> tuple:
+        """Fresh zeroed (compact_codes, compact_scales) torch tensors for one layer's compact region."""
+        import torch
+
+        return (torch.from_numpy(zeros_aligned(self.compact_codes_shape(), "uint8")),
+                torch.from_numpy(zeros_aligned(self.compact_scales_shape(), "float16")))
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["spec"] = asdict(self.spec)
+        del d["compact"], d["num_compact_blocks"]  # a pool without a compact region: the dict as before
+        if self.num_compact_blocks:
+            d.update(compact=asdict(self.compact), num_compact_blocks=self.num_compact_blocks,
+                     compact_codes_shape=list(self.compact_codes_shape()),
+                     compact_scales_shape=list(self.compact_scales_shape()))
         d.update(
             codes_shape=list(self.codes_shape()),
             scales_shape=list(self.scales_shape()),
@@ -166,7 +216,9 @@ class PoolLayout:
     @staticmethod
     def from_dict(d: dict) -> "PoolLayout":
         keys = ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "max_seqs")
-        return PoolLayout(spec=KVQuantSpec(**d["spec"]), **{k: d[k] for k in keys})
+        compact = KVQuantSpec(**d["compact"]) if d.get("compact") else None
+        return PoolLayout(spec=KVQuantSpec(**d["spec"]), compact=compact,
+                          num_compact_blocks=int(d.get("num_compact_blocks", 0)), **{k: d[k] for k in keys})
 
 
 # ----------------------------------------------------------------------------------------------

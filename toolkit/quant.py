@@ -37,6 +37,7 @@ from toolkit.kv_spec import (  # noqa: F401  (re-exported: the spec is part of t
     KVQuantSpec,
     RecordLayout,
     bytes_per_token,
+    check_compact,
     fp16_bytes_per_token,
     fp_stage_bytes_per_sequence,
     record_layout,
@@ -138,3 +139,41 @@ def fake_quantize(x: torch.Tensor, bits: int, group: int, sym: bool) -> torch.Te
     """quantize followed by dequantize: the values attention sees for a quantized token."""
     packed, meta = quantize(x, bits, group, sym)
     return dequantize(packed, meta, bits, group, sym, x.shape[-1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Re-quantization of stored records (the compact tier, POOL_FORMAT.md "Compact region")
+
+
+def requantize(codes: torch.Tensor, scales: torch.Tensor, src: KVQuantSpec, dst: KVQuantSpec,
+               head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Records in spec `src` -> the same tokens' records in spec `dst`: the stored codes dequantized,
+    then quantized with dst's rule (the float values are gone; rotation, if any, stays as stored).
+
+    codes [..., src code_width] uint8, scales [..., src scale_width] float16 -> (codes [..., dst
+    code_width] uint8, scales [..., dst scale_width] float16). The reference every other
+    implementation of the conversion reproduces bit for bit."""
+    d = head_dim
+    a, b = record_layout(src, d), record_layout(dst, d)
+    if src.is_float or dst.is_float:
+        raise ValueError("requantize converts integer-code records; float pools store values, not codes.")
+    if codes.shape[-1] != a.code_width or scales.shape[-1] != a.scale_width:
+        raise ValueError(f"records of {src.describe()} have {a.code_width} code bytes and {a.scale_width} scales "
+                         f"at head_dim {d}, got {codes.shape[-1]} and {scales.shape[-1]}.")
+    kg, vg = src.groups(d)
+    ckg, cvg = dst.groups(d)
+    k = dequantize(codes[..., :a.k_code_bytes], scales[..., :a.k_scale_count], src.k_bits, kg, src.k_sym, d)
+    v = dequantize(codes[..., a.k_code_bytes:], scales[..., a.k_scale_count:], src.v_bits, vg, src.v_sym, d)
+    kc, km = quantize(k, dst.k_bits, ckg, dst.k_sym)
+    vc, vm = quantize(v, dst.v_bits, cvg, dst.v_sym)
+    assert kc.shape[-1] + vc.shape[-1] == b.code_width and km.shape[-1] + vm.shape[-1] == b.scale_width
+    return torch.cat((kc, vc), dim=-1), torch.cat((km, vm), dim=-1)
+
+
+def compact_block(codes: torch.Tensor, scales: torch.Tensor, compact_codes: torch.Tensor,
+                  compact_scales: torch.Tensor, src: int, dst: int, spec: KVQuantSpec, compact: KVQuantSpec,
+                  head_dim: int) -> None:
+    """One layer's block `src` of the default region re-quantized (`requantize`) into block `dst` of its
+    compact region, in place. Nothing else changes: the default block stays as it was until the
+    block pool frees it, and the block table then names num_blocks + dst (POOL_FORMAT.md)."""
+    compact_codes[dst], compact_scales[dst] = requantize(codes[src], scales[src], spec, compact, head_dim)

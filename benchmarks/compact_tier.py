@@ -1,0 +1,402 @@
+"""The compact tier's format, chosen by measurement: blocks older than a recency horizon re-quantized from
+the conversation's spec (default K8/V4) to a compact spec, on SmolLM2-135M over a long wikitext-2 stream.
+
+    python benchmarks/compact_tier.py                                  # 8K stream, horizon 1024, all candidates
+    python benchmarks/compact_tier.py --ctx 2048 --horizon 512 --out benchmarks/results/compact_tier_2k.json
+    python benchmarks/compact_tier.py --candidates k4v3 k3v4 --threads 2
+
+Method. One teacher-forced window of --ctx tokens from the start of wikitext-2 (the text, tokenizer and
+model of benchmarks/fidelity.py). Rows:
+- fp32: unquantized attention (the reference of benchmarks/fidelity.py);
+- default: every block in the conversation's spec (float16 sink block and own block, as the op reads them);
+- one row per candidate: for the query at position p, a block b >= sink_blocks whose last token is at
+  least --horizon positions behind the newest token ((b + 1) * bs <= p + 1 - horizon) is read in the
+  compact spec, re-quantized from the default spec's dequantized codes (dequantize-then-quantize: the
+  fp values are gone), every other block as in `default`. This is the steady state of an engine that
+  converts each block as soon as it passes the horizon; per query position, so one forward pass
+  measures a whole decode of ctx tokens.
+The attention is an emulation in this script (plain PyTorch, toolkit.quant's quantize/dequantize and
+Hadamard rotation, chunks of queries), checked at start against the paged op on a short window for the
+default spec (printed as "check"). Bytes per token come from kv_spec.bytes_per_token, except the
+per-channel-K candidate (KIVI-like, K scales per channel within a block: no pool format for it exists),
+whose bytes are computed here.
+
+Metrics over the ctx-1 next-token predictions: PPL, its change vs all-default (the target: at most
++1% at <= 0.25x fp16 bytes) and vs fp32, KLD(default || row) and top-1 agreement with default, and
+KLD vs fp32. Writes benchmarks/results/compact_tier.json (after every row) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from benchmarks.e2e import cpu_model  # noqa: E402
+from toolkit.kv_spec import KVQuantSpec, bytes_per_token, fp16_bytes_per_token, resolve_spec  # noqa: E402
+from toolkit.kv_spec import record_layout  # noqa: E402
+from toolkit.quant import dequantize, fake_quantize, hadamard, quantize, requantize  # noqa: E402
+
+DEFAULT_TEXT = REPO / ".." / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+ATTN_NAME = "pagedkv_compact_tier_bench"
+
+# Compact candidates over the default spec (rotation must match the conversation's: Q is rotated once
+# per call). Bytes per head-token at head_dim 64: fp16 = 256, the target 0.25x = 64.
+CANDIDATES: dict[str, str] = {
+    "k4v2": "default:k_bits=4,k_group=64,k_sym=true,v_bits=2,v_group=32,v_sym=false",
+    "k4v2-g64": "default:k_bits=4,k_group=64,k_sym=true,v_bits=2,v_group=64,v_sym=false",
+    "k3v3": "default:k_bits=3,k_group=64,k_sym=true,v_bits=3,v_group=32,v_sym=false",
+    "k3v3-g64": "default:k_bits=3,k_group=64,k_sym=true,v_bits=3,v_group=64,v_sym=false",
+    "k4v3": "default:k_bits=4,k_group=64,k_sym=true,v_bits=3,v_group=64,v_sym=false",
+    "k4v3-vsym": "default:k_bits=4,k_group=64,k_sym=true,v_bits=3,v_group=64,v_sym=true",
+    "k3v4": "default:k_bits=3,k_group=64,k_sym=true,v_bits=4,v_group=64,v_sym=false",
+    "k5v2": "default:k_bits=5,k_group=64,k_sym=true,v_bits=2,v_group=64,v_sym=false",
+    "k4v3-kg32": "default:k_bits=4,k_group=32,k_sym=true,v_bits=3,v_group=64,v_sym=true",
+    "k5v3": "default:k_bits=5,k_group=64,k_sym=true,v_bits=3,v_group=64,v_sym=true",
+    "k4v4": "k4v4",
+    # KIVI-like: K asymmetric per channel within each block (scale + zero per channel per block), V per token
+    "kivi-k3v3": "kivi:k_bits=3,v_bits=3,v_group=64,v_sym=false",
+    "kivi-k4v2": "kivi:k_bits=4,v_bits=2,v_group=64,v_sym=false",
+}
+
+
+@dataclass
+class Row:
+    name: str
+    spec: KVQuantSpec | None  # the compact spec (None: fp32 / default rows, or a KIVI row's V spec below)
+    kivi_k_bits: int = 0  # > 0: K per channel within a block (no pool format), V from spec
+
+    @property
+    def compact(self) -> bool:
+        return self.spec is not None or self.kivi_k_bits > 0
+
+
+def parse_candidate(name: str) -> Row:
+    text = CANDIDATES.get(name, name)
+    if text.startswith("kivi:"):
+        fields = dict(item.split("=") for item in text[5:].split(","))
+        kb = int(fields.pop("k_bits"))
+        return Row(name, resolve_spec("default:" + ",".join(f"{k}={v}" for k, v in fields.items())), kb)
+    return Row(name, resolve_spec(text))
+
+
+def row_bytes_vs_fp16(row: Row, default: KVQuantSpec, hkv: int, d: int, layers: int, bs: int) -> float:
+    fp16 = fp16_bytes_per_token(hkv, d, layers)
+    if not row.compact:
+        spec = KVQuantSpec(32, 32, 0, 0, True, True, False, False, 0) if row.name == "fp32" else default
+        return bytes_per_token(spec, hkv, d, layers) / fp16
+    if row.kivi_k_bits:
+        v = row.spec
+        v_bytes = d * v.v_bits // 8 + 2 * (d // (v.v_group or d)) * (1 if v.v_sym else 2)
+        k_bytes = d * row.kivi_k_bits // 8 + 2 * 2 * d / bs  # fp16 scale + zero per channel per block
+        return (k_bytes + v_bytes) * hkv * layers / fp16
+    return bytes_per_token(row.spec, hkv, d, layers) / fp16
+
+
+def kivi_fake_quantize(x: torch.Tensor, bits: int, bs: int) -> torch.Tensor:
+    """x [H, T, D] -> per channel within each block of bs tokens, asymmetric (quant.py's rule on groups
+    that run along the tokens of a block instead of along head_dim). A last partial block is its own group."""
+    h, t, d = x.shape
+    pad = (-t) % bs
+    xp = torch.nn.functional.pad(x, (0, 0, 0, pad))
+    g = xp.reshape(h, -1, bs, d).transpose(-1, -2)  # [H, blocks, D, bs]: groups of one channel in a block
+    if pad:  # the padded rows must not widen the last block's range: repeat its last real token there
+        g = g.clone()
+        last = x[:, -1, :]
+        g[:, -1, :, bs - pad:] = last[:, :, None]
+    out = fake_quantize(g.contiguous(), bits, bs, False)
+    return out.transpose(-1, -2).reshape(h, -1, d)[:, :t]
+
+
+# ----------------------------------------------------------------------------------------------
+# The emulated attention (registered with transformers' AttentionInterface, selected per run)
+
+
+class Mode:
+    kind = "fp32"  # "fp32" | "default" | "compact"
+    default: KVQuantSpec = resolve_spec("default")
+    row: Row | None = None
+    horizon = 1024
+    block_size = 16
+    chunk = 512
+
+
+def stored(x: torch.Tensor, spec: KVQuantSpec, d: int):
+    """K or V [H, T, D] (rotated) -> the records the op writes for it (K and V halves of a record)."""
+    kg, vg = spec.groups(d)
+    kc, km = quantize(x[0], spec.k_bits, kg, spec.k_sym)
+    vc, vm = quantize(x[1], spec.v_bits, vg, spec.v_sym)
+    return torch.cat((kc, vc), -1), torch.cat((km, vm), -1)
+
+
+def read_back(codes: torch.Tensor, scales: torch.Tensor, spec: KVQuantSpec, d: int):
+    """Records -> the dequantized (K, V) attention reads."""
+    rec = record_layout(spec, d)
+    kg, vg = spec.groups(d)
+    k = dequantize(codes[..., :rec.k_code_bytes], scales[..., :rec.k_scale_count], spec.k_bits, kg, spec.k_sym, d)
+    v = dequantize(codes[..., rec.k_code_bytes:], scales[..., rec.k_scale_count:], spec.v_bits, vg, spec.v_sym, d)
+    return k, v
+
+
+def column_runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """The [lo, hi) runs of columns of a [n, L] mask that hold any True."""
+    used = mask.any(0).tolist()
+    runs, lo = [], None
+    for i, u in enumerate(used + [False]):
+        if u and lo is None:
+            lo = i
+        elif not u and lo is not None:
+            runs.append((lo, i))
+            lo = None
+    return runs
+
+
+def emulated_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    d = query.shape[-1]
+    scale = scaling if scaling is not None else d ** -0.5
+    q, k, v = query[0].float(), key[0].float(), value[0].float()  # [H, T, D]
+    hq, t, _ = q.shape
+    hkv = k.shape[0]
+    grp = hq // hkv
+    if Mode.kind == "fp32":
+        out = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
+                                                               enable_gqa=True)[0]
+        return out.transpose(0, 1)[None].to(query.dtype), None
+    spec, bs = Mode.default, Mode.block_size
+    if spec.rotate:
+        q, k, v = hadamard(q), hadamard(k), hadamard(v)
+    k16, v16 = k.half().float(), v.half().float()
+    codes, scales = stored((k, v), spec, d)
+    kd, vd = read_back(codes, scales, spec, d)
+    row = Mode.row
+    compact = Mode.kind == "compact"
+    if compact:  # the compact tier: toolkit.quant.requantize of the stored records, read back
+        ccodes, cscales = requantize(codes, scales, spec, row.spec, d)
+        kc, vc = read_back(ccodes, cscales, row.spec, d)
+        if row.kivi_k_bits:  # K per channel within a block instead (no pool format: emulated here)
+            kc = kivi_fake_quantize(kd, row.kivi_k_bits, bs)
+    out = torch.empty(hkv, grp, t, d)
+    qg = q.reshape(hkv, grp, t, d)
+    for a in range(0, t, Mode.chunk):
+        n = min(Mode.chunk, t - a)
+        keys = a + n
+        p = torch.arange(a, a + n)[:, None]
+        j = torch.arange(keys)[None, :]
+        causal = j <= p
+        bj, bp = j // bs, p // bs
+        fp = torch.zeros_like(causal)
+        if spec.sink_blocks:
+            fp = fp | (bj < spec.sink_blocks)
+        if spec.fp_tail:
+            fp = fp | (bj == bp)
+        fp = fp & causal
+        cm = (causal & ~fp & ((bj + 1) * bs <= p + 1 - Mode.horizon)) if compact else torch.zeros_like(causal)
+        dm = causal & ~fp & ~cm
+        qa = qg[:, :, a:a + n]  # [Hkv, grp, n, D]
+        # each key version only over the column runs its mask uses (the compact run is most of a long
+        # context: computing every version over every key would triple the work)
+        parts = [(dm, kd, vd), (fp, k16, v16)] + ([(cm, kc, vc)] if compact else [])
+        s = torch.full((hkv, grp, n, keys), float("-inf"))
+        for m, kk, _ in parts:
+            for lo, hi in column_runs(m):
+                sc = torch.einsum("hgnd,hld->hgnl", qa, kk[:, lo:hi]) * scale
+                s[..., lo:hi] = torch.where(m[:, lo:hi], sc, s[..., lo:hi])
+        pr = torch.softmax(s, dim=-1)
+        o = torch.zeros(hkv, grp, n, d)
+        for m, _, vv in parts:
+            for lo, hi in column_runs(m):
+                o += torch.einsum("hgnl,hld->hgnd", pr[..., lo:hi] * m[:, lo:hi], vv[:, lo:hi])
+        out[:, :, a:a + n] = o
+    out = out.reshape(hq, t, d)
+    if spec.rotate:
+        out = hadamard(out)
+    return out.transpose(0, 1)[None].to(query.dtype), None
+
+
+def hidden_states(model, ids: torch.Tensor) -> torch.Tensor:
+    t = ids.numel()
+    with torch.no_grad():
+        out = model.model(input_ids=ids[None], position_ids=torch.arange(t)[None], use_cache=False)
+    return out.last_hidden_state[0]
+
+
+def logprobs(model, h: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model.lm_head(h).float(), dim=-1)
+
+
+def score(model, h: torch.Tensor, refs: dict, target: torch.Tensor, rows: int = 1024) -> dict:
+    """NLL sum, and KLD(ref || h) sums and top-1 agreements vs each reference's hidden states, in row
+    chunks (an 8K x 49K logits matrix is 1.6 GB)."""
+    n = target.numel()
+    nll, kld, agree = 0.0, {r: 0.0 for r in refs}, {r: 0 for r in refs}
+    for a in range(0, n, rows):
+        lp = logprobs(model, h[a:a + min(rows, n - a)])
+        nll += float(-lp.gather(1, target[a:a + lp.shape[0], None]).sum(dtype=torch.float64))
+        top = lp.argmax(-1)
+        for r, hr in refs.items():
+            rp = logprobs(model, hr[a:a + lp.shape[0]])
+            kld[r] += float((rp.exp() * (rp - lp)).sum(dtype=torch.float64))
+            agree[r] += int((rp.argmax(-1) == top).sum())
+    return {"nll": nll, "kld": kld, "agree": agree, "n": n}
+
+
+def check_against_op(model, ids: torch.Tensor, bs: int, spec: KVQuantSpec, n: int = 256) -> float:
+    """KLD(op || emulation) of this script's all-default emulation against the paged op (its PyTorch
+    reference) on the first n tokens: the emulation must be the op's arithmetic up to float rounding (a
+    rounding difference can flip a code, so it is not 0: the native kernel vs the reference measured the
+    same size on this window, KLD ~1e-4, against ~8e-4 for default vs fp32)."""
+    from toolkit.compiler import compile
+
+    w = ids[:n]
+    Mode.kind = "default"
+    model.set_attn_implementation(ATTN_NAME)
+    mine = logprobs(model, hidden_states(model, w))
+    paged = compile(model, spec, block_size=bs, num_blocks=-(-n // bs), max_seqs=1, groups=False)
+    with torch.no_grad():
+        theirs = paged(w[None], torch.arange(n), torch.zeros(n, dtype=torch.int64),
+                       torch.arange(-(-n // bs))[None])[0].float()
+    theirs = torch.log_softmax(theirs, -1)
+    model.set_attn_implementation(ATTN_NAME)  # compile() selected the op's attention
+    return float((theirs.exp() * (theirs - mine)).sum(-1).mean())
+
+
+def compact_label(r: Row) -> str:
+    if not r.compact:
+        return "-"
+    if r.kivi_k_bits:
+        return f"K{r.kivi_k_bits}a per-channel/block {r.spec.describe().split(' ')[1]}"
+    return " ".join(x for x in r.spec.describe().split(" ") if x not in ("tail", "sink"))
+
+
+def fmt_table(rows: list[dict]) -> str:
+    head = ("candidate", "compact spec", "bytes vs fp16", "PPL", "PPL vs default", "KLD vs default",
+            "top-1 vs default", "PPL vs fp32", "KLD vs fp32")
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            r["candidate"], r["compact_spec"], f"{r['bytes_per_token_vs_fp16']:.3f}x", f"{r['ppl']:.3f}",
+            f"{r['ppl_vs_default_pct']:+.3f}%", f"{r['kld_vs_default']:.5f}", f"{100 * r['top1_vs_default']:.2f}%",
+            f"{r['ppl_vs_fp32_pct']:+.3f}%", f"{r['kld_vs_fp32']:.5f}",
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="'smollm2' (default), 'gemma3-270m' or an HF dir")
+    ap.add_argument("--text", type=Path, default=DEFAULT_TEXT)
+    ap.add_argument("--ctx", type=int, default=8192, help="stream length in tokens (default 8192)")
+    ap.add_argument("--horizon", type=int, default=1024, help="blocks older than this many tokens are compact")
+    ap.add_argument("--spec", default=None, help="the conversation's spec (default: the model's default preset)")
+    ap.add_argument("--candidates", nargs="+", default=list(CANDIDATES),
+                    help=f"compact candidates: names ({', '.join(CANDIDATES)}) or spec text")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--chunk", type=int, default=512, help="queries per attention chunk (memory)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-check", action="store_true", help="skip the emulation-vs-op check")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "compact_tier.json")
+    args = ap.parse_args(argv)
+    if not args.text.is_file():
+        ap.error(f"text file {args.text} not found: pass --text FILE")
+    torch.set_num_threads(args.threads)
+
+    from transformers import AttentionInterface
+
+    from toolkit.compiler import model_dims
+    from toolkit.fidelity import tokenize, tokenizer_bos
+    from toolkit.kv_spec import default_spec_name
+    from toolkit.model_loading import load_model
+
+    model, tokenizer = load_model(args.model)
+    model.eval()
+    dims = model_dims(model.config)
+    default = resolve_spec(args.spec or default_spec_name(model.config.model_type)).validate(dims.head_dim)
+    rows = [Row("fp32", None), Row("default", None)] + [parse_candidate(c) for c in args.candidates]
+    for r in rows:
+        if r.spec is not None:
+            r.spec.validate(dims.head_dim)
+            if r.spec.rotate != default.rotate:
+                ap.error(f"candidate {r.name}: rotate={r.spec.rotate} differs from the conversation spec's")
+    ids = torch.tensor(tokenize(tokenizer, args.text.read_text(encoding="utf-8"))[:args.ctx], dtype=torch.int64)
+    bos = tokenizer_bos(tokenizer)
+    if bos is not None:
+        ids[0] = bos
+    if ids.numel() < args.ctx:
+        ap.error(f"the text has only {ids.numel()} tokens: lower --ctx")
+    target = ids[1:]
+
+    AttentionInterface.register(ATTN_NAME, emulated_attention)
+    Mode.default, Mode.horizon, Mode.block_size, Mode.chunk = default, args.horizon, args.block_size, args.chunk
+    report = {
+        "model": args.model, "text": args.text.name, "ctx": args.ctx, "horizon": args.horizon,
+        "block_size": args.block_size, "default_spec": default.describe(), "torch_threads": args.threads,
+        "cpu": cpu_model(),
+        "method": "one teacher-forced window from the start; per query position, blocks whose last token is "
+                  ">= horizon behind (never the sink block or the own block) read in the compact spec, "
+                  "re-quantized from the default spec's dequantized values; emulated attention (checked vs the op)",
+        "rows": [],
+    }
+    if not args.no_check:
+        report["check_kld_op_vs_emulation_256"] = check_against_op(model, ids, args.block_size, default)
+        print(f"check: KLD(paged op || emulated default), first 256 tokens: "
+              f"{report['check_kld_op_vs_emulation_256']:.2e}", file=sys.stderr, flush=True)
+    model.set_attn_implementation(ATTN_NAME)
+
+    hs: dict[str, torch.Tensor] = {}
+    out_rows = []
+    for r in rows:
+        t0 = time.perf_counter()
+        Mode.kind = "fp32" if r.name == "fp32" else ("compact" if r.compact else "default")
+        Mode.row = r
+        h = hidden_states(model, ids)
+        if r.name in ("fp32", "default"):
+            hs[r.name] = h
+        res = score(model, h, hs, target)
+        ppl = float(torch.exp(torch.tensor(res["nll"] / res["n"])))
+        seconds = time.perf_counter() - t0
+        entry = {
+            "candidate": r.name,
+            "compact_spec": compact_label(r),
+            "spec_fields": None if r.spec is None else r.spec.__dict__ | ({"kivi_k_bits": r.kivi_k_bits} if r.kivi_k_bits else {}),
+            "bytes_per_token_vs_fp16": round(row_bytes_vs_fp16(r, default, dims.num_kv_heads, dims.head_dim,
+                                                               dims.num_layers, args.block_size), 4),
+            "ppl": round(ppl, 4),
+            "nll_sum": res["nll"], "predictions": res["n"], "seconds": round(seconds, 1),
+        }
+        for ref in ("default", "fp32"):
+            if ref in res["kld"]:
+                entry[f"kld_vs_{ref}"] = float(f"{res['kld'][ref] / res['n']:.6g}")
+                entry[f"top1_vs_{ref}"] = round(res["agree"][ref] / res["n"], 5)
+        out_rows.append(entry)
+        base = {x["candidate"]: x["ppl"] for x in out_rows}
+        for e in out_rows:
+            e["ppl_vs_fp32_pct"] = round((e["ppl"] / base["fp32"] - 1) * 100, 4)
+            e["ppl_vs_default_pct"] = round((e["ppl"] / base.get("default", e["ppl"]) - 1) * 100, 4)
+            e.setdefault("kld_vs_default", 0.0)
+            e.setdefault("top1_vs_default", 1.0)
+            e.setdefault("kld_vs_fp32", 0.0)
+            e.setdefault("top1_vs_fp32", 1.0)
+        report["rows"] = out_rows
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"{r.name}: PPL {ppl:.4f} ({seconds:.0f} s)", file=sys.stderr, flush=True)
+    print(f"\n### {args.model}, ctx {args.ctx}, horizon {args.horizon}, default {default.describe()}\n")
+    print(fmt_table(out_rows))
+    print(f"\nwrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
