@@ -188,6 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--skip-ours", action="store_true",
+                    help="llama.cpp only (its rows are merged into --out beside ours from another run)")
     ap.add_argument("--runner", type=Path, default=None, metavar="ARTIFACTS",
                     help="measure only the Android runner (pagedkv-runner) on this .pte export")
     ap.add_argument("--llamacpp-kv-max-ctx", nargs="*", default=[], metavar="KV=CTX",
@@ -215,7 +217,7 @@ def main(argv=None) -> int:
     _, tok = load_model("gemma3-270m")
     text = TEXT.read_text(encoding="utf-8")
     all_ids = tok(text[: 8 * max(args.ctx)], add_special_tokens=False)["input_ids"]
-    art = export_ours(max(args.ctx))
+    art = None if args.skip_ours else export_ours(max(args.ctx))
     llama_py, llama_build = None, None
     if not args.skip_llamacpp:
         from benchmarks.llamacpp_peer import build_flags, ensure_llamacpp, llamacpp_python
@@ -230,8 +232,10 @@ def main(argv=None) -> int:
     for ctx in args.ctx:
         ids = [tok.bos_token_id] + all_ids[: ctx - 1]
         load0 = loadavg()
-        row = {"ctx": ctx, "ours": run_ours(art, ids, args.steps, args.threads)}
-        row["ours"]["loadavg_before_after"] = [load0, loadavg()]
+        row = {"ctx": ctx}
+        if not args.skip_ours:
+            row["ours"] = run_ours(art, ids, args.steps, args.threads)
+            row["ours"]["loadavg_before_after"] = [load0, loadavg()]
         if not args.skip_llamacpp:
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                 json.dump(ids, f)
@@ -285,19 +289,25 @@ def runner_main(args) -> int:
 
 
 def _print_row(row: dict) -> None:
-    o = row["ours"]
-    print(f"\nctx {row['ctx']}: ours KV {o['kv_bytes'] / 2**20:.1f} MiB (one table for all layers: "
-          f"{o['kv_bytes_one_table'] / 2**20:.1f} MiB), decode {o['decode_tok_s']:.1f} tok/s, prefill {o['prefill_s']:.0f} s")
+    o = row.get("ours")
+    print(f"\nctx {row['ctx']}:")
+    if o:
+        print(f"  ours: KV {o['kv_bytes'] / 2**20:.1f} MiB (one table for all layers: {o['kv_bytes_one_table'] / 2**20:.1f} "
+              f"MiB), decode {o['decode_tok_s']:.1f} tok/s, prefill {o['prefill_s']:.0f} s")
     for k in ("llamacpp f16/f16", "llamacpp q8_0/q4_0"):
         r = row.get(k)
-        if r and "not run" in r:
-            print(f"  {k}: KV {r['kv_bytes'] / 2**20:.1f} MiB (allocation; ours {o['kv_bytes'] / r['kv_bytes']:.2f}x), "
-                  f"not run: {r['not run']}")
-        elif r and "error" not in r:
-            print(f"  {k}: KV {r['kv_bytes'] / 2**20:.1f} MiB (ours {o['kv_bytes'] / r['kv_bytes']:.2f}x), decode "
-                  f"{r['decode_tok_s']:.1f} tok/s (ours {o['decode_tok_s'] / r['decode_tok_s']:.2f}x)")
-        elif r:
+        if not r:
+            continue
+        if "error" in r:
             print(f"  {k}: failed: {r['error']}")
+            continue
+        line = f"  {k}: KV {r['kv_bytes'] / 2**20:.1f} MiB" + (f" (ours {o['kv_bytes'] / r['kv_bytes']:.2f}x)" if o else "")
+        if "not run" in r:
+            line += f" (allocation), not run: {r['not run']}"
+        else:
+            line += f", decode {r['decode_tok_s']:.1f} tok/s" + \
+                (f" (ours {o['decode_tok_s'] / r['decode_tok_s']:.2f}x)" if o else "") + f", prefill {r['prefill_s']:.0f} s"
+        print(line)
 
 
 if __name__ == "__main__":
