@@ -13,7 +13,10 @@ repeats (peak RSS: the largest). All systems use the same --threads.
 Systems:
   runner-pte-8da4w      android_demo/native's pagedkv-runner (the app's Runner class, C++): .pte with
   runner-pte-8da4w-e8   8da4w linears (XNNPACK), e8 = token embedding int8 too (embedding_byte);
-                        the pool budget covers ctx + decode tokens (the app sizes it from its budget)
+  runner-pte-8da4w-asym-e8h8  asymmetric int4 linears (exact on the GGUF's Q4_1 grid), int8 activations
+                        per 192 inputs, int8 head and embedding (export/executorch_export.py: the
+                        .pte weights without 8da4w's +65% PPL); the pool budget covers ctx + decode
+                        tokens (the app sizes it from its budget)
   sim-onnx-int4         runtime_sim on onnxruntime (int4 MatMulNBits, native kernel), Python;
   sim-onnx-int4-e4      e4 = token embedding int4 too (GatherBlockQuantized)
   llamacpp-f16          llama-cpp-python==0.3.36, flash_attn, KV f16 / q8_0 K + q4_0 V; built from
@@ -55,6 +58,8 @@ EXPORT_VERSIONS = {"onnx": "v2", "pte": "v1"}
 SYSTEMS: dict[str, dict] = {
     "runner-pte-8da4w": {"kind": "runner", "art": "pte-8da4w", "weights": "8da4w (int4 linears, fp32 embedding)"},
     "runner-pte-8da4w-e8": {"kind": "runner", "art": "pte-8da4w-e8", "weights": "8da4w + int8 embedding"},
+    "runner-pte-8da4w-asym-e8h8": {"kind": "runner", "art": "pte-8da4w-asym-e8h8",
+                                   "weights": "asymmetric int4 linears (exact on the Q4_1 grid), int8 head + embedding"},
     "sim-onnx-int4": {"kind": "ort", "art": "onnx-int4", "weights": "int4 MatMulNBits"},
     "sim-onnx-int4-e4": {"kind": "ort", "art": "onnx-int4-e4", "weights": "int4 + int4 embedding (GatherBlockQuantized)"},
     "llamacpp-f16": {"kind": "llamacpp", "kv_types": "f16/f16", "weights": "Q4_1 (GGUF)", "kv": "f16"},

@@ -27,7 +27,7 @@ from toolkit.kv_spec import KVQuantSpec, default_spec_name, resolve_spec
 
 FORMATS = ("onnx", "pte")
 ONNX_WEIGHTS = ("fp32", "int4", "int4-e4")
-PTE_WEIGHTS = ("fp32", "8da4w", "8da4w-e8")
+PTE_WEIGHTS = ("fp32", "8da4w", "8da4w-e8", "8da4w-asym-e8h8")  # export.executorch_export
 MAX_TOKENS_PER_CALL = 4096  # the .pte's largest prefill chunk (a graph bound, not a pool size)
 MAX_POOL_TOKENS = 1 << 24
 MAX_SEQS = 4096

@@ -14,6 +14,17 @@ embedding as int8 with one fp32 scale per row (torchao IntxWeightOnlyConfig, as 
 linked by the native runner). SmolLM2's fp32 embedding is 113 MB, more than all its int4 linears;
 int8 makes it 28 MB. A tied LM head keeps its own int4 copy: XNNPACK packs its linears'
 weights into its own buffers, so the gather cannot share them.
+
+8da4w's weights are symmetric round-to-nearest int4: on SmolLM2 (a Q4_1 GGUF, whose blocks are
+asymmetric 4-bit grids) 8da4w-e8 costs +65% PPL, KLD 0.58 (benchmarks/results/weights_fidelity_pte.json).
+Eager diagnosis (ctx 512 x 3 windows, KLD vs fp32): symmetric int4 linears 0.42, the int4 head 0.12,
+XNNPACK's per-token int8 activations 0.020, the int8 embedding 0.0001. Hence "8da4w-asym-e8h8":
+  - linears: asymmetric 4-bit blocks of 32 (AsymInt4Linear: XNNPACK's symmetric int4 kernel plus a
+    per-block offset linear), exact on GGUF 4-bit grids (every SmolLM2 linear block);
+  - activations: int8 with one scale per 192 inputs instead of per token (ChunkedLinear);
+  - the LM head: int8 weights, one scale per row (8da8w), the token embedding int8 (embedding_byte).
+Eager, same windows: KLD 0.0082, +0.98% PPL, top-1 95.3%. Every part runs on XNNPACK, weights packed
+from the mapped file as for 8da4w.
 """
 
 from __future__ import annotations
@@ -29,6 +40,8 @@ from toolkit.errors import PagedKVError
 from toolkit.manifest import PTE_POOL_METHOD, pool_identity
 
 POOL_BUFFER_PREFIXES = ("codes_", "scales_", "stage_")
+ASYM_WEIGHTS = "8da4w-asym-e8h8"
+PTE_WEIGHTS = ("fp32", "8da4w", "8da4w-e8", ASYM_WEIGHTS)  # as export.artifacts.PTE_WEIGHTS
 
 
 def _quantize_8da4w(model: torch.nn.Module, group_size: int = 32) -> None:
@@ -40,6 +53,142 @@ def _quantize_8da4w(model: torch.nn.Module, group_size: int = 32) -> None:
         Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size)),
         filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and m.in_features % group_size == 0,
     )
+
+
+ACT_CHUNK = 192  # inputs per int8 activation scale in the 8da4w-asym-e8h8 linears (see ChunkedLinear)
+
+
+def act_chunk(k: int, group: int, most: int = ACT_CHUNK) -> int:
+    """The largest multiple of `group` that divides k and is at most `most` (k itself when none is)."""
+    for c in range(most - most % group, 0, -group):
+        if k % c == 0:
+            return c
+    return k
+
+
+class ChunkedLinear(torch.nn.Module):
+    """y = sum_i x[.., chunk i] @ W[:, chunk i]^T + bias: one XNNPACK linear per chunk of inputs, so
+    each chunk's activations get their own int8 scale. XNNPACK's dynamic quantization has one scale per
+    token over all K inputs, and SmolLM2's activations have outlier channels that then take the int8
+    range from the rest: one scale per 192 inputs halves the KLD of per-token scales (eager, SmolLM2,
+    ctx 512 x 3 windows, 0.0243 -> 0.0108). The weights are the same bytes, split by columns."""
+
+    def __init__(self, pieces: list, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.pieces = torch.nn.ModuleList(pieces)
+        self.widths = [p.in_features for p in pieces]
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def _cols(self, x: torch.Tensor, start: int, width: int) -> torch.Tensor:
+        # x itself for a single chunk: a slice of all columns would export as a copy outside XNNPACK
+        return x if width == x.shape[-1] else x[..., start:start + width]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, start = None, 0
+        for piece, width in zip(self.pieces, self.widths):
+            part = piece(self._cols(x, start, width))
+            y = part if y is None else y + part
+            start += width
+        return y if self.bias is None else y + self.bias
+
+
+class AsymInt4Linear(ChunkedLinear):
+    """y = x W^T with W stored as asymmetric 4-bit blocks (scale s, zero point zp per `group` inputs),
+    run on XNNPACK's symmetric int4 kernel (qb4w): s*(q - zp) = s*(q - 8) + s*(8 - zp), so per chunk
+    of inputs (ChunkedLinear: one int8 activation scale per chunk)
+
+        y += 8da4w(x_c; codes q - 8, scale s) + (x_c @ Ind^T) @ offsets_c^T,  offsets[n, b] = s*(8 - zp)
+
+    Ind [chunk/group, chunk] is 0/1 (x_c @ Ind^T sums each block of x_c), both small linears fp32 on
+    XNNPACK (1/group of the int4 work each; a reshape + sum instead would leave XNNPACK, whose reshapes
+    take no dynamic token count, and split its partitions). Left out when every offset is 0 (a
+    Q4_0-style grid). XNNPACK stores the scales as bf16: s is rounded to bf16 here so the eager module
+    computes what the program does, and the offsets keep the exact s (W's error is then at most
+    |q-8| * |bf16(s) - s|). Blocks on a 16-level affine grid (a GGUF Q4_0 / Q4_1 / Q4_K model's
+    dequantization) are stored exactly; other blocks are asymmetric round-to-nearest
+    (export.onnx_export.pack_int4_affine)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int = 32,
+                 chunk: int = ACT_CHUNK):
+        import numpy as np
+        from torchao.quantization import IntxUnpackedToInt8Tensor
+        from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import (
+            IntxUnpackedToInt8TensorActivationQuantization as ActQ)
+
+        from export.onnx_export import pack_int4_affine
+
+        n, k = weight.shape
+        packed, scale, zp, exact = pack_int4_affine(weight.detach().float().numpy().T, group)
+        codes = torch.from_numpy(np.stack((packed & 15, packed >> 4), axis=-1).reshape(n, k).astype(np.int8) - 8)
+        s = torch.from_numpy(scale).reshape(n, k // group)
+        s_bf16 = s.to(torch.bfloat16).float()
+        c = act_chunk(k, group, chunk)
+        pieces = []
+        for i in range(0, k, c):
+            piece = torch.nn.Linear(c, n, bias=False)
+            piece.weight = torch.nn.Parameter(IntxUnpackedToInt8Tensor(
+                qdata=codes[:, i:i + c].contiguous(), scale=s_bf16[:, i // group:(i + c) // group].contiguous(),
+                zero_point=torch.zeros(n, c // group, dtype=torch.int8), target_dtype=torch.int4,
+                block_size=(1, group), dtype=torch.float32, activation_quantization=ActQ.INT8_ASYM_PER_TOKEN),
+                requires_grad=False)
+            pieces.append(piece)
+        super().__init__(pieces, bias)
+        self.group, self.nb, self.exact_blocks = group, k // group, exact
+        offsets = (s * (8 - torch.from_numpy(zp).reshape(n, self.nb))).float()
+        self.offsets = None
+        if offsets.any():
+            per = c // group
+            self.offsets = torch.nn.ParameterList(
+                [torch.nn.Parameter(offsets[:, j:j + per].contiguous(), requires_grad=False)
+                 for j in range(0, self.nb, per)])
+            ind = (torch.arange(c)[None, :] // group == torch.arange(per)[:, None]).float()
+            self.indicator = torch.nn.Parameter(ind, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offsets is None:
+            return super().forward(x)
+        y, start = None, 0
+        for piece, width, off in zip(self.pieces, self.widths, self.offsets):
+            xc = self._cols(x, start, width)
+            part = piece(xc) + torch.nn.functional.linear(torch.nn.functional.linear(xc, self.indicator), off)
+            y = part if y is None else y + part
+            start += width
+        return y if self.bias is None else y + self.bias
+
+
+def _int8_head(head: torch.nn.Linear, group: int = 32, chunk: int = ACT_CHUNK) -> ChunkedLinear:
+    """The LM head as 8da8w (int8 weights, a scale per output row and chunk) in ChunkedLinear pieces:
+    at 4 bits SmolLM2's head alone cost +12.8% PPL (eager, ctx 512 x 3 windows), at 8 bits +1.4%."""
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization.granularity import PerAxis
+
+    n, k = head.weight.shape
+    c = act_chunk(k, group, chunk)
+    pieces = []
+    for i in range(0, k, c):
+        piece = torch.nn.Linear(c, n, bias=False)
+        piece.weight = torch.nn.Parameter(head.weight.detach()[:, i:i + c].float().contiguous(), requires_grad=False)
+        quantize_(piece, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0)))
+        pieces.append(piece)
+    return ChunkedLinear(pieces, head.bias)
+
+
+def _quantize_asym4(model: torch.nn.Module, group_size: int = 32) -> dict:
+    """Every Linear but the LM head -> AsymInt4Linear; the head -> _int8_head. Returns the block counts."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    total = exact = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, torch.nn.Linear) or child.in_features % group_size:
+                continue
+            if child is head:
+                setattr(parent, name, _int8_head(child, group_size))
+                continue
+            q = AsymInt4Linear(child.weight, child.bias, group_size)
+            total += q.nb * child.out_features
+            exact += q.exact_blocks
+            setattr(parent, name, q)
+    return {"int4_blocks": total, "int4_exact_blocks": exact}
 
 
 def _quantize_embeddings_int8(model: torch.nn.Module) -> None:
@@ -112,11 +261,17 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
     from executorch.exir.passes import MemoryPlanningPass
 
     layout = paged.layout
+    quant_info = {}
     if weights in ("8da4w", "8da4w-e8"):
         _quantize_8da4w(paged.hf)
+    elif weights == ASYM_WEIGHTS:
+        quant_info = _quantize_asym4(paged.hf)
+        if progress:
+            progress(f"int4: {quant_info['int4_exact_blocks']} of {quant_info['int4_blocks']} linear weight blocks "
+                     "were on a 4-bit grid (stored exactly), the rest rounded to nearest")
     elif weights != "fp32":
-        raise PagedKVError(f"weights '{weights}' cannot be exported to .pte: use fp32, 8da4w or 8da4w-e8.")
-    if weights == "8da4w-e8":
+        raise PagedKVError(f"weights '{weights}' cannot be exported to .pte: use one of {', '.join(PTE_WEIGHTS)}.")
+    if weights in ("8da4w-e8", ASYM_WEIGHTS):
         import executorch.kernels.quantized  # noqa: F401  (registers the quantized_decomposed out variants)
 
         _quantize_embeddings_int8(paged.hf)
@@ -146,7 +301,7 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
     et = edge.to_executorch(
         ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(memory_planning_algo=arenas),
                                 # dequantize + embedding -> embedding_byte (a no-op without quantized weights)
-                                do_quant_fusion_and_const_prop=weights == "8da4w-e8")
+                                do_quant_fusion_and_const_prop=weights in ("8da4w-e8", ASYM_WEIGHTS))
     )
     path = Path(path)
     path.write_bytes(et.buffer)
@@ -162,4 +317,5 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
         # non_const_buffer_sizes[0] is reserved; [1] activations; [2..] one per group of layers' pools
         "arena_bytes": sizes[1:],
         "largest_arena_bytes": max(sizes[1:]) if len(sizes) > 1 else 0,
+        **quant_info,
     }

@@ -1,0 +1,74 @@
+""".pte weights "8da4w-asym-e8h8" (export.executorch_export.AsymInt4Linear): asymmetric 4-bit blocks on
+XNNPACK's symmetric int4 kernel plus a per-block offset linear. Weights already on a 4-bit affine grid
+(a GGUF Q4_1 model's dequantization) are stored exactly; the rest are asymmetric round-to-nearest."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("torchao")
+
+from export.executorch_export import AsymInt4Linear  # noqa: E402
+
+
+def q4_1_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """W [n, k] = d*q + m per block of 32 (GGUF Q4_1), d a bf16 value so XNNPACK's bf16 scales hold it."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 0.001).to(torch.bfloat16).float()
+    m = -torch.rand(n, k // 32, 1, generator=g) * 0.1
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15  # every block spans the grid (its step is then unambiguous)
+    return (d * q + m).reshape(n, k)
+
+
+def effective_weight(lin: AsymInt4Linear) -> torch.Tensor:
+    """The weight the module multiplies by: dequantized int4 codes + each block's offset."""
+    w = torch.cat([p.weight.dequantize() for p in lin.pieces], dim=1)
+    if lin.offsets is not None:
+        w = w + torch.cat(list(lin.offsets), dim=1).repeat_interleave(lin.group, dim=1)
+    return w
+
+
+def test_grid_weights_are_stored_exactly():
+    w = q4_1_weight(48, 96)
+    lin = AsymInt4Linear(w)
+    assert lin.exact_blocks == 48 * 3 and lin.offsets is not None
+    torch.testing.assert_close(effective_weight(lin), w, rtol=0, atol=1e-6)
+    # the forward pass is that weight on int8 per-token activations: within int8 rounding of x @ W^T
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(1))
+    ref = x @ w.T
+    err = (lin(x) - ref).abs().max() / ref.abs().max()
+    assert err < 0.02, err
+
+
+def test_symmetric_grid_needs_no_offsets_and_other_weights_round_to_nearest():
+    g = torch.Generator().manual_seed(2)
+    d = (torch.rand(8, 2, 1, generator=g) + 0.5).to(torch.bfloat16).float()
+    q = torch.randint(0, 16, (8, 2, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    w = (d * (q - 8)).reshape(8, 64)  # Q4_0: d*(q-8)
+    lin = AsymInt4Linear(w)
+    assert lin.offsets is None and lin.exact_blocks == 16
+    torch.testing.assert_close(effective_weight(lin), w, rtol=0, atol=1e-6)
+    # weights on no grid: asymmetric RTN, within half a step (span/30) per value, plus bf16 scale rounding
+    w = torch.randn(8, 64, generator=g)
+    lin = AsymInt4Linear(w, bias=torch.ones(8))
+    assert lin.exact_blocks == 0
+    blocks = w.reshape(8, 2, 32)
+    step = (blocks.amax(-1) - blocks.amin(-1)) / 15
+    err = (effective_weight(lin) - w).abs().reshape(8, 2, 32).amax(-1)
+    assert torch.all(err <= step * (0.5 + 8 * 2**-8)), (err / step).max()
+    assert torch.equal(lin.bias, torch.ones(8))
+
+
+def test_activation_chunks():
+    """Each int8 activation scale covers a chunk of inputs that divides K (96 -> 96, 576 -> 3 x 192,
+    640 -> 4 x 160); the pieces together hold the whole weight."""
+    from export.executorch_export import act_chunk
+
+    assert (act_chunk(96, 32), act_chunk(576, 32), act_chunk(1536, 32), act_chunk(640, 32)) == (96, 192, 192, 160)
+    w = q4_1_weight(16, 576, seed=3)
+    lin = AsymInt4Linear(w)
+    assert lin.widths == [192, 192, 192]
+    torch.testing.assert_close(effective_weight(lin), w, rtol=0, atol=1e-6)
