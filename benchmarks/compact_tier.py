@@ -9,15 +9,18 @@ Method. One teacher-forced window of --ctx tokens from the start of wikitext-2 (
 model of benchmarks/fidelity.py). Rows:
 - fp32: unquantized attention (the reference of benchmarks/fidelity.py);
 - default: every block in the conversation's spec (float16 sink block and own block, as the op reads them);
-- one row per candidate: for the query at position p, a block b >= sink_blocks whose last token is at
-  least --horizon positions behind the newest token ((b + 1) * bs <= p + 1 - horizon) is read in the
-  compact spec, re-quantized from the default spec's dequantized codes (dequantize-then-quantize: the
-  fp values are gone), every other block as in `default`. This is the steady state of an engine that
-  converts each block as soon as it passes the horizon; per query position, so one forward pass
-  measures a whole decode of ctx tokens.
-The attention is an emulation in this script (plain PyTorch, toolkit.quant's quantize/dequantize and
-Hadamard rotation, chunks of queries), checked at start against the paged op on a short window for the
-default spec (printed as "check"). Bytes per token come from kv_spec.bytes_per_token, except the
+- one row per candidate: the query at position p reads block b in the compact spec when the engine
+  converted it before the step that writes p: between steps, every block b >= sink_blocks whose last
+  token is at least --horizon positions behind the newest token held, (b + 1) * bs <= held - horizon,
+  with held = p in a decode of one token per step (--step 1, the default; held = the step's first
+  position for --step N). Compact blocks are toolkit.quant.requantize of the default spec's records
+  (dequantize-then-quantize: the fp values are gone); every other block reads as in `default`.
+  One forward pass so measures a whole decode of ctx tokens.
+The attention is an emulation in this script (toolkit.quant's quantize/dequantize/requantize and
+Hadamard rotation; torch's fused CPU attention per key region, merged by log-sum-exp), checked at start
+on a short window against the paged ops: all-default against pagedkv::quantized_paged_attention, and the
+first candidate against pagedkv::quantized_paged_attention_mixed run the engine's way (calls of --step
+64 tokens, aged blocks moved to the compact region with toolkit.quant.compact_block between calls). Bytes per token come from kv_spec.bytes_per_token, except the
 per-channel-K candidate (KIVI-like, K scales per channel within a block: no pool format for it exists),
 whose bytes are computed here.
 
@@ -128,6 +131,7 @@ class Mode:
     default: KVQuantSpec = resolve_spec("default")
     row: Row | None = None
     horizon = 1024
+    step = 1  # tokens per engine step (1: a decode)
     block_size = 16
     chunk = 512
 
@@ -160,6 +164,27 @@ def column_runs(mask: torch.Tensor) -> list[tuple[int, int]]:
             runs.append((lo, i))
             lo = None
     return runs
+
+
+def attend_parts(qa: torch.Tensor, parts: list, scale: float) -> torch.Tensor:
+    """qa [Hkv, grp, n, D]; parts: [(mask [n, L], K [Hkv, L, D], V [Hkv, L, D])] over disjoint key sets.
+    One softmax over their union: torch's fused CPU attention per column run of each part (output and
+    log-sum-exp), merged by log-sum-exp. Queries of a KV head's group are stacked as rows (GQA)."""
+    hkv, grp, n, d = qa.shape
+    q = qa.reshape(1, hkv, grp * n, d)
+    outs, lses = [], []
+    for m, kk, vv in parts:
+        for lo, hi in column_runs(m):
+            mm = m[:, lo:hi]
+            add = torch.zeros(mm.shape).masked_fill(~mm, float("-inf")).repeat(grp, 1)
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, kk[None, :, lo:hi], vv[None, :, lo:hi], 0.0, False, attn_mask=add, scale=scale)[:2]
+            none = ~mm.any(1).repeat(grp)  # rows with no key in this run (reported as lse 0, output 0)
+            lses.append(lse.masked_fill(none, float("-inf")))
+            outs.append(o)
+    lse = torch.logsumexp(torch.stack(lses), 0)
+    out = sum(torch.exp(lv - lse)[..., None] * o for lv, o in zip(lses, outs))
+    return out.reshape(hkv, grp, n, d)
 
 
 def emulated_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -201,22 +226,14 @@ def emulated_attention(module, query, key, value, attention_mask, scaling=None, 
         if spec.fp_tail:
             fp = fp | (bj == bp)
         fp = fp & causal
-        cm = (causal & ~fp & ((bj + 1) * bs <= p + 1 - Mode.horizon)) if compact else torch.zeros_like(causal)
+        held = (p // Mode.step) * Mode.step  # tokens in the pool when the step writing p converted blocks
+        cm = (causal & ~fp & ((bj + 1) * bs <= held - Mode.horizon)) if compact else torch.zeros_like(causal)
         dm = causal & ~fp & ~cm
         qa = qg[:, :, a:a + n]  # [Hkv, grp, n, D]
         # each key version only over the column runs its mask uses (the compact run is most of a long
         # context: computing every version over every key would triple the work)
         parts = [(dm, kd, vd), (fp, k16, v16)] + ([(cm, kc, vc)] if compact else [])
-        s = torch.full((hkv, grp, n, keys), float("-inf"))
-        for m, kk, _ in parts:
-            for lo, hi in column_runs(m):
-                sc = torch.einsum("hgnd,hld->hgnl", qa, kk[:, lo:hi]) * scale
-                s[..., lo:hi] = torch.where(m[:, lo:hi], sc, s[..., lo:hi])
-        pr = torch.softmax(s, dim=-1)
-        o = torch.zeros(hkv, grp, n, d)
-        for m, _, vv in parts:
-            for lo, hi in column_runs(m):
-                o += torch.einsum("hgnl,hld->hgnd", pr[..., lo:hi] * m[:, lo:hi], vv[:, lo:hi])
+        o = attend_parts(qa, parts, scale)
         out[:, :, a:a + n] = o
     out = out.reshape(hq, t, d)
     if spec.rotate:
@@ -280,6 +297,76 @@ def compact_label(r: Row) -> str:
     return " ".join(x for x in r.spec.describe().split(" ") if x not in ("tail", "sink"))
 
 
+class OpRun:
+    """State of the engine-style run through the mixed op: per layer (codes, scales, stage, compact_codes,
+    compact_scales), the block table, the call's positions."""
+    pools: list = []
+    table = None
+    positions = None
+    layout = None
+
+
+def op_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    from toolkit.compiler import op_scalar_args
+
+    lay, d = OpRun.layout, query.shape[-1]
+    scale = scaling if scaling is not None else d ** -0.5
+    codes, scales, stage, ccodes, cscales = OpRun.pools[module.layer_idx]
+    c = lay.compact
+    ckg, cvg = c.groups(d)
+    t = OpRun.positions.numel()
+    out = torch.ops.pagedkv.quantized_paged_attention_mixed(
+        query, key, value, codes, scales, stage, ccodes, cscales, OpRun.positions, torch.zeros(t, dtype=torch.int64),
+        OpRun.table[None], torch.full((query.shape[1],), float("-inf")),
+        *op_scalar_args(lay.spec, d, module.layer_idx, scale, 0, 0.0), c.k_bits, c.v_bits, ckg, cvg, c.k_sym, c.v_sym)
+    return out.to(query.dtype), None
+
+
+def check_mixed_op(model, ids: torch.Tensor, row: Row, n: int, horizon: int, step: int, bs: int) -> float:
+    """KLD(mixed op || emulation) over n tokens, both the engine's way: calls of `step` tokens through
+    pagedkv::quantized_paged_attention_mixed (its PyTorch reference), and before each call every block
+    past the horizon moved to the compact region by toolkit.quant.compact_block, the table pointed there."""
+    from transformers import AttentionInterface
+
+    from toolkit.compiler import model_dims
+    from toolkit.pool_layout import PoolLayout
+    from toolkit.quant import compact_block
+
+    dims = model_dims(model.config)
+    nb = -(-n // bs)
+    lay = PoolLayout(Mode.default, dims.num_layers, dims.num_kv_heads, dims.head_dim, bs, nb, 1,
+                     compact=row.spec, num_compact_blocks=nb)
+    OpRun.layout = lay
+    OpRun.pools = [(*lay.allocate_layer(), *lay.allocate_compact_layer()) for _ in range(dims.num_layers)]
+    OpRun.table = torch.arange(nb)
+    AttentionInterface.register(ATTN_NAME + "_op", op_attention)
+    model.set_attn_implementation(ATTN_NAME + "_op")
+    w, logits, used = ids[:n], [], 0
+    with torch.no_grad():
+        for a in range(0, n, step):
+            for b in range(Mode.default.sink_blocks, nb):  # between steps: convert what passed the horizon
+                if (b + 1) * bs <= a - horizon and OpRun.table[b] < nb:
+                    for layer in OpRun.pools:
+                        compact_block(layer[0], layer[1], layer[3], layer[4], int(OpRun.table[b]), used,
+                                      Mode.default, row.spec, dims.head_dim)
+                    OpRun.table[b] = nb + used
+                    used += 1
+            OpRun.positions = torch.arange(a, min(a + step, n))
+            h = model.model(input_ids=w[None, a:a + step], position_ids=OpRun.positions[None], use_cache=False)
+            logits.append(logprobs(model, h.last_hidden_state[0]))
+    theirs = torch.cat(logits)
+    Mode.kind, Mode.row, old = "compact", row, (Mode.horizon, Mode.step, Mode.chunk)
+    Mode.horizon, Mode.step = horizon, step
+    model.set_attn_implementation(ATTN_NAME)
+    mine = logprobs(model, hidden_states(model, w))
+    Mode.chunk = 48  # the same emulation with other query chunks: only float summation order changes
+    other = logprobs(model, hidden_states(model, w))
+    Mode.horizon, Mode.step, Mode.chunk = old
+    assert used > 0, "the check window converted no block: lengthen it"
+    return (float((theirs.exp() * (theirs - mine)).sum(-1).mean()),
+            float((mine.exp() * (mine - other)).sum(-1).mean()))
+
+
 def fmt_table(rows: list[dict]) -> str:
     head = ("candidate", "compact spec", "bytes vs fp16", "PPL", "PPL vs default", "KLD vs default",
             "top-1 vs default", "PPL vs fp32", "KLD vs fp32")
@@ -303,7 +390,8 @@ def main(argv=None) -> int:
     ap.add_argument("--candidates", nargs="+", default=list(CANDIDATES),
                     help=f"compact candidates: names ({', '.join(CANDIDATES)}) or spec text")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--chunk", type=int, default=512, help="queries per attention chunk (memory)")
+    ap.add_argument("--step", type=int, default=1, help="tokens per engine step: blocks convert between steps (1)")
+    ap.add_argument("--chunk", type=int, default=256, help="queries per attention chunk (memory)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-check", action="store_true", help="skip the emulation-vs-op check")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "compact_tier.json")
@@ -333,25 +421,36 @@ def main(argv=None) -> int:
     bos = tokenizer_bos(tokenizer)
     if bos is not None:
         ids[0] = bos
-    if ids.numel() < args.ctx:
-        ap.error(f"the text has only {ids.numel()} tokens: lower --ctx")
+    if ids.numel() < args.ctx or (not args.no_check and args.ctx < 768):
+        ap.error(f"--ctx {args.ctx}: the text has {ids.numel()} tokens, the checks need 768 (or pass --no-check)")
     target = ids[1:]
 
     AttentionInterface.register(ATTN_NAME, emulated_attention)
     Mode.default, Mode.horizon, Mode.block_size, Mode.chunk = default, args.horizon, args.block_size, args.chunk
+    Mode.step = args.step
     report = {
-        "model": args.model, "text": args.text.name, "ctx": args.ctx, "horizon": args.horizon,
+        "model": args.model, "text": args.text.name, "ctx": args.ctx, "horizon": args.horizon, "step": args.step,
         "block_size": args.block_size, "default_spec": default.describe(), "torch_threads": args.threads,
         "cpu": cpu_model(),
-        "method": "one teacher-forced window from the start; per query position, blocks whose last token is "
-                  ">= horizon behind (never the sink block or the own block) read in the compact spec, "
-                  "re-quantized from the default spec's dequantized values; emulated attention (checked vs the op)",
+        "method": "one teacher-forced window from the start; the query at p reads in the compact spec the blocks "
+                  "(never the sink block or its own) whose last token was >= horizon behind the newest token held "
+                  "when the engine step writing p converted blocks (held = p for step 1); compact records = "
+                  "toolkit.quant.requantize of the default records; emulated attention, checked against the ops",
         "rows": [],
     }
     if not args.no_check:
         report["check_kld_op_vs_emulation_256"] = check_against_op(model, ids, args.block_size, default)
         print(f"check: KLD(paged op || emulated default), first 256 tokens: "
               f"{report['check_kld_op_vs_emulation_256']:.2e}", file=sys.stderr, flush=True)
+        first = next((r for r in rows if r.compact and not r.kivi_k_bits), None)
+        if first is not None:
+            n, hz, st = 768, 256, 64
+            kld, floor = check_mixed_op(model, ids, first, n, hz, st, args.block_size)
+            report["check_mixed_op"] = {"candidate": first.name, "tokens": n, "horizon": hz, "step": st,
+                                        "kld_op_vs_emulation": kld, "kld_emulation_rechunked": floor}
+            print(f"check: KLD(mixed op, engine steps of {st} || emulation), {first.name}, {n} tokens, horizon {hz}: "
+                  f"{kld:.2e}; the emulation against itself with other query chunks (float rounding only): "
+                  f"{floor:.2e}", file=sys.stderr, flush=True)
     model.set_attn_implementation(ATTN_NAME)
 
     hs: dict[str, torch.Tensor] = {}
