@@ -171,3 +171,53 @@ def test_cli_runs_8da4w_e8_with_embedding_byte(host_cli, fixtures, tmp_path, wik
     engine = open_artifacts(art, "executorch")
     sim = list(engine.generate(engine.new_conversation(), case["prompt_ids"], max_new_tokens=12))
     assert got == sim
+
+
+def test_cli_runs_8da4w_asym_e8h8(host_cli, fixtures, tmp_path, wikitext):
+    """.pte weights 8da4w-asym-e8h8 on a tiny llama whose linears lie on a Q4_1 grid (d*q + m per block
+    of 32, as a GGUF's dequantization): every int4 block is stored exactly, every linear and block sum
+    runs on XNNPACK (the activation chunks' slices stay outside), the head and the embedding are int8, and
+    the runner's greedy tokens equal runtime_sim's on the same program."""
+    import make_fixtures
+    import torch
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    from export.artifacts import PoolRequest, export_artifacts
+    from runtime_sim.session import open_artifacts
+    from toolkit.tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, torch.nn.Linear) and mod is not head:
+                n, k = mod.weight.shape
+                w = mod.weight.reshape(n, k // 32, 32)
+                lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+                d = ((hi - lo) / 15).to(torch.bfloat16).float()  # a bf16 step: XNNPACK keeps bf16 scales
+                mod.weight.copy_((torch.clamp(torch.round((w - lo) / d), 0, 15) * d + lo).reshape(n, k))
+    art = tmp_path / "asym"
+    tok = make_fixtures.tiny_bpe_tokenizer(wikitext)
+    m = export_artifacts("tiny-llama", art, formats=("pte",), spec="fp32",
+                         pool=PoolRequest(pool_tokens=512, max_seqs=2, block_size=16), max_tokens_per_call=32,
+                         model_and_tokenizer=(model, tok), pte_weights="8da4w-asym-e8h8")
+    entry = m["artifacts"]["pte"]
+    assert entry["weights"] == "8da4w-asym-e8h8"
+    assert entry["int4_blocks"] > 0 and entry["int4_exact_blocks"] == entry["int4_blocks"], entry
+    res = deserialize_pte_binary((art / "model.pte").read_bytes())
+    plan = getattr(res, "program", res).execution_plan[0]
+    ops = {op.name for op in plan.operators}
+    assert "quantized_decomposed::embedding_byte" in ops and "aten::embedding" not in ops, ops
+    # no linear, matmul or weight dequantization left to the portable kernels: all of them are XNNPACK's
+    assert not ops & {"aten::linear", "aten::mm", "aten::addmm", "aten::bmm", "aten::permute_copy"}, ops
+    assert not any("dequantize" in op or "choose_qparams" in op for op in ops), ops
+    assert plan.delegates and all(d.id == "XnnpackBackend" for d in plan.delegates)
+    _, case = fixtures
+    p = subprocess.run([str(host_cli), str(art), "--prompt-file", str(fixtures[0] / "prompt.txt"), "--ctx",
+                        str(len(case["prompt_ids"])), "--decode", "12", "--threads", "1", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])["generated"]
+    engine = open_artifacts(art, "executorch")
+    sim = list(engine.generate(engine.new_conversation(), case["prompt_ids"], max_new_tokens=12))
+    assert got == sim
