@@ -224,8 +224,8 @@ def export_cmd(
     max_seqs: int = typer.Option(4, help="Conversations that can hold blocks at the same time."),
     onnx_weights: str = typer.Option("fp32", help="ONNX weights: fp32 or int4 (MatMulNBits)."),
     pte_weights: str = typer.Option(
-        "fp32", help="ExecuTorch weights: fp32; 8da4w (torchao int4, symmetric: +65% PPL on SmolLM2); 8da4w-e8 (and an "
-        "int8 embedding); 8da4w-asym-e8h8 (asymmetric int4 exact on GGUF grids, int8 head and embedding; the phone's)."),
+        "fp32", help="ExecuTorch weights: fp32; 8da4w (torchao, symmetric int4); 8da4w-e8 (and an int8 embedding: "
+        "+65% PPL on SmolLM2); 8da4w-asym-e8h8 (asymmetric int4, exact on GGUF 4-bit grids; int8 head and embedding)."),
     max_tokens_per_call: int = typer.Option(64, help="Largest prefill chunk the .pte accepts."),
     force: bool = typer.Option(False, "--force", help="Replace an existing non-empty --out dir (whole, never merged)."),
 ):
