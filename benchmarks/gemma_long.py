@@ -151,6 +151,9 @@ def run_runner(art: Path, ctx: int, steps: int, threads: int) -> dict:
 def write_rows(out: Path, report: dict, rows: list[dict]) -> None:
     """Rows into `out`, sorted by ctx; a ctx already there keeps the sides these rows do not have."""
     old = json.loads(out.read_text()) if out.is_file() else {}
+    if "ours" in report and old.get("ours") != report["ours"]:  # rows of another export of ours: not kept
+        old = {k: v for k, v in old.items() if k == "runner"} | {"runs": [
+            {k: v for k, v in r.items() if k in ("ctx", "runner")} for r in old.get("runs", []) if "runner" in r]}
     merged = {r["ctx"]: r for r in old.get("runs", [])}
     for r in rows:
         merged[r["ctx"]] = {**merged.get(r["ctx"], {}), **r}
@@ -186,6 +189,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ctx", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--pool-ctx", type=int, default=None,
+                    help="size our pool for this ctx (default the largest --ctx; 32768 reuses the 32K run's export)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-llamacpp", action="store_true")
     ap.add_argument("--skip-ours", action="store_true",
@@ -217,7 +222,7 @@ def main(argv=None) -> int:
     _, tok = load_model("gemma3-270m")
     text = TEXT.read_text(encoding="utf-8")
     all_ids = tok(text[: 8 * max(args.ctx)], add_special_tokens=False)["input_ids"]
-    art = None if args.skip_ours else export_ours(max(args.ctx))
+    art = None if args.skip_ours else export_ours(args.pool_ctx or max(args.ctx))
     llama_py, llama_build = None, None
     if not args.skip_llamacpp:
         from benchmarks.llamacpp_peer import build_flags, ensure_llamacpp, llamacpp_python
