@@ -317,3 +317,15 @@ def test_mixed_op_errors():
     with pytest.raises(PagedKVError, match="outside the pool of 8 \\+ 4 compact"):
         torch.ops.pagedkv.quantized_paged_attention_mixed_functional(
             q, k, v, *pools, *cpools, torch.tensor([n]), torch.tensor([0]), bad, sinks, *sc, *cs)
+
+
+def test_compact_spec_for_the_presets():
+    from toolkit.kv_spec import COMPACT_SPEC, bytes_per_token, compact_spec_for, fp16_bytes_per_token
+
+    for name in ("default", "best", "k5v4"):
+        c = compact_spec_for(PRESETS[name], 64)
+        assert c.rotate == PRESETS[name].rotate
+        assert bytes_per_token(c, 3, 64) <= 0.25 * fp16_bytes_per_token(3, 64)  # the target
+    assert compact_spec_for(PRESETS["default"], 256).k_group == COMPACT_SPEC.k_group
+    with pytest.raises(SpecError, match="not fewer"):
+        compact_spec_for(PRESETS["k4v4"].replace(k_bits=3, v_bits=2), 64)

@@ -278,6 +278,19 @@ def fp16_bytes_per_token(num_kv_heads: int, head_dim: int, num_layers: int = 1) 
 # The compact tier: aged blocks re-quantized to a spec of fewer bytes (issue 25)
 
 
+# The compact tier's spec, chosen by benchmarks/compact_tier.py (BENCHMARKS.md, "The compact tier"):
+# K5 symmetric / V2 asymmetric, groups of 64, rotated: 0.242x fp16 bytes per token at head_dim 64. On
+# SmolLM2 over an 8K wikitext-2 stream with blocks older than 1K tokens compact: PPL +0.30% vs
+# all-default. At low bits the K error dominates: K3 candidates cost +6%, K4/V2 +1.8% at 2K.
+COMPACT_SPEC = KVQuantSpec(5, 2, 64, 64, True, False, True, True, 1)
+
+
+def compact_spec_for(spec: KVQuantSpec, head_dim: int) -> KVQuantSpec:
+    """COMPACT_SPEC for a conversation in `spec`: its rotation, fp_tail and sink_blocks (checked)."""
+    return check_compact(spec, COMPACT_SPEC.replace(rotate=spec.rotate, fp_tail=spec.fp_tail,
+                                                    sink_blocks=spec.sink_blocks), head_dim)
+
+
 def check_compact(spec: KVQuantSpec, compact: KVQuantSpec, head_dim: int) -> KVQuantSpec:
     """`compact` as the compact tier of a conversation in `spec`, or SpecError: both quantized, the same
     rotation (queries are rotated once per call, for every block they read) and fewer record bytes.
