@@ -60,6 +60,7 @@ ACT_CHUNK = 192  # inputs per int8 activation scale in the 8da4w-asym-e8h8 linea
 
 def act_chunk(k: int, group: int, most: int = ACT_CHUNK) -> int:
     """The largest multiple of `group` that divides k and is at most `most` (k itself when none is)."""
+    most = min(most, k)
     for c in range(most - most % group, 0, -group):
         if k % c == 0:
             return c
@@ -173,8 +174,9 @@ def _int8_head(head: torch.nn.Linear, group: int = 32, chunk: int = ACT_CHUNK) -
     return ChunkedLinear(pieces, head.bias)
 
 
-def _quantize_asym4(model: torch.nn.Module, group_size: int = 32) -> dict:
-    """Every Linear but the LM head -> AsymInt4Linear; the head -> _int8_head. Returns the block counts."""
+def _quantize_asym4(model: torch.nn.Module, group_size: int = 32, chunk: int = ACT_CHUNK) -> dict:
+    """Every Linear but the LM head -> AsymInt4Linear; the head -> _int8_head (activation chunks of at
+    most `chunk` inputs). Returns the block counts."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     total = exact = 0
     for parent in list(model.modules()):
@@ -182,9 +184,9 @@ def _quantize_asym4(model: torch.nn.Module, group_size: int = 32) -> dict:
             if not isinstance(child, torch.nn.Linear) or child.in_features % group_size:
                 continue
             if child is head:
-                setattr(parent, name, _int8_head(child, group_size))
+                setattr(parent, name, _int8_head(child, group_size, chunk))
                 continue
-            q = AsymInt4Linear(child.weight, child.bias, group_size)
+            q = AsymInt4Linear(child.weight, child.bias, group_size, chunk)
             total += q.nb * child.out_features
             exact += q.exact_blocks
             setattr(parent, name, q)
