@@ -144,6 +144,21 @@ def test_cli_aarch64_under_qemu(fixtures):
     assert r["weights_file_resident_bytes"] > 0 and r["peak_rss_bytes"] > 0
 
 
+def assert_runner_equals_runtime_sim(host_cli, fixtures, art):
+    """The host runner's 12 greedy tokens on the fixture prompt equal runtime_sim's on the same .pte."""
+    from runtime_sim.session import open_artifacts
+
+    _, case = fixtures
+    p = subprocess.run([str(host_cli), str(art), "--prompt-file", str(fixtures[0] / "prompt.txt"), "--ctx",
+                        str(len(case["prompt_ids"])), "--decode", "12", "--threads", "1", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])["generated"]
+    engine = open_artifacts(art, "executorch")
+    sim = list(engine.generate(engine.new_conversation(), case["prompt_ids"], max_new_tokens=12))
+    assert got == sim
+
+
 def test_cli_runs_8da4w_e8_with_embedding_byte(host_cli, fixtures, tmp_path, wikitext):
     """.pte weights 8da4w-e8: the token embedding is int8 (quantized_decomposed::embedding_byte, linked
     into the runner); the runner's greedy tokens equal runtime_sim's on the same program."""
@@ -151,7 +166,6 @@ def test_cli_runs_8da4w_e8_with_embedding_byte(host_cli, fixtures, tmp_path, wik
     from executorch.exir._serialize._program import deserialize_pte_binary
 
     from export.artifacts import PoolRequest, export_artifacts
-    from runtime_sim.session import open_artifacts
     from toolkit.tiny_models import tiny_model
 
     art = tmp_path / "e8"
@@ -162,15 +176,7 @@ def test_cli_runs_8da4w_e8_with_embedding_byte(host_cli, fixtures, tmp_path, wik
     res = deserialize_pte_binary((art / "model.pte").read_bytes())
     ops = {op.name for op in getattr(res, "program", res).execution_plan[0].operators}
     assert "quantized_decomposed::embedding_byte" in ops and "aten::embedding" not in ops, ops
-    _, case = fixtures
-    p = subprocess.run([str(host_cli), str(art), "--prompt-file", str(fixtures[0] / "prompt.txt"), "--ctx",
-                        str(len(case["prompt_ids"])), "--decode", "12", "--threads", "1", "--json"],
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])["generated"]
-    engine = open_artifacts(art, "executorch")
-    sim = list(engine.generate(engine.new_conversation(), case["prompt_ids"], max_new_tokens=12))
-    assert got == sim
+    assert_runner_equals_runtime_sim(host_cli, fixtures, art)
 
 
 def test_cli_runs_8da4w_asym_e8h8(host_cli, fixtures, tmp_path, wikitext):
@@ -183,7 +189,6 @@ def test_cli_runs_8da4w_asym_e8h8(host_cli, fixtures, tmp_path, wikitext):
     from executorch.exir._serialize._program import deserialize_pte_binary
 
     from export.artifacts import PoolRequest, export_artifacts
-    from runtime_sim.session import open_artifacts
     from toolkit.tiny_models import tiny_model
 
     model = tiny_model("llama")
@@ -212,12 +217,4 @@ def test_cli_runs_8da4w_asym_e8h8(host_cli, fixtures, tmp_path, wikitext):
     assert not ops & {"aten::linear", "aten::mm", "aten::addmm", "aten::bmm", "aten::permute_copy"}, ops
     assert not any("dequantize" in op or "choose_qparams" in op for op in ops), ops
     assert plan.delegates and all(d.id == "XnnpackBackend" for d in plan.delegates)
-    _, case = fixtures
-    p = subprocess.run([str(host_cli), str(art), "--prompt-file", str(fixtures[0] / "prompt.txt"), "--ctx",
-                        str(len(case["prompt_ids"])), "--decode", "12", "--threads", "1", "--json"],
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])["generated"]
-    engine = open_artifacts(art, "executorch")
-    sim = list(engine.generate(engine.new_conversation(), case["prompt_ids"], max_new_tokens=12))
-    assert got == sim
+    assert_runner_equals_runtime_sim(host_cli, fixtures, art)
