@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import naive_attention_loop
 import toolkit.paged_attention  # noqa: F401  (defines torch.ops.pagedkv)
 from toolkit.errors import PagedKVError, SpecError
 from toolkit.kv_spec import check_compact, record_layout
@@ -148,32 +149,18 @@ def naive_mixed(q_tok, hist_k, hist_v, p, spec, compact, compact_cols, bs, scale
     """One query [Hq, D] over raw (unrotated) history [Hkv, p+1, D]: float16 for the sink block and the
     query's own block, the compact spec re-quantized from the default one for the logical blocks in
     compact_cols, the default spec otherwise. No tables, slots, stages or codes."""
-    hq, d = q_tok.shape
-    hkv = hist_k.shape[0]
+    d = q_tok.shape[1]
+
+    def seen(j, kj, vj):
+        if (spec.sink_blocks and j < bs) or (spec.fp_tail and j // bs == p // bs):
+            return kj.half().float(), vj.half().float()
+        c, s = _records_of(kj, vj, spec, d)
+        if j // bs in compact_cols:
+            return _read(*requantize(c, s, spec, compact, d), compact, d)
+        return _read(c, s, spec, d)
+
     rot = hadamard if spec.rotate else (lambda x: x)
-    out = torch.zeros(hq, d)
-    for h in range(hq):
-        kvh = h // (hq // hkv)
-        qv = rot(q_tok[h].float())
-        logits, values = [], []
-        for j in range(p + 1):
-            if window > 0 and p - j >= window:
-                continue
-            kj, vj = rot(hist_k[kvh, j].float()), rot(hist_v[kvh, j].float())
-            if (spec.sink_blocks and j < bs) or (spec.fp_tail and j // bs == p // bs):
-                kj, vj = kj.half().float(), vj.half().float()
-            else:
-                c, s = _records_of(kj, vj, spec, d)
-                if j // bs in compact_cols:
-                    c, s = requantize(c, s, spec, compact, d)
-                    kj, vj = _read(c, s, compact, d)
-                else:
-                    kj, vj = _read(c, s, spec, d)
-            logits.append(float(qv @ kj) * scale)
-            values.append(vj)
-        w = torch.softmax(torch.tensor(logits + [float(sinks[h])]), 0)[:-1]
-        out[h] = rot(sum(wi * vi for wi, vi in zip(w, values)))
-    return out
+    return naive_attention_loop(q_tok, hist_k, hist_v, p, rot, seen, scale, window, 0.0, sinks)
 
 
 def _records_of(k, v, spec, d):

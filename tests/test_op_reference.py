@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import naive_attention_loop
 from toolkit.errors import NonFiniteKVError
 from toolkit.paged_attention import reference_paged_attention
 from toolkit.pool_layout import PoolLayout
@@ -22,38 +23,21 @@ SPECS = ["fp32", "fp16", "default", "best", "k4v4", "q8_0-q4_0", "et-int8"]
 
 def naive_attention(q_tok, hist_k, hist_v, p, spec: KVQuantSpec, bs, scale, window, softcap, sinks):
     """q_tok [Hq, D]; hist_k/v [Hkv, p+1, D] (raw, unrotated); returns [Hq, D]."""
-    hq, d = q_tok.shape
-    hkv = hist_k.shape[0]
+    d = q_tok.shape[1]
     quant = not spec.is_float
     rot = hadamard if (quant and spec.rotate) else (lambda x: x)
     kg, vg = spec.groups(d)
-    out = torch.zeros(hq, d)
-    for h in range(hq):
-        kvh = h // (hq // hkv)
-        qv = rot(q_tok[h].float())
-        logits, values = [], []
-        for j in range(p + 1):
-            if window > 0 and p - j >= window:
-                continue
-            kj, vj = rot(hist_k[kvh, j].float()), rot(hist_v[kvh, j].float())
-            fp = quant and ((spec.sink_blocks and j < bs) or (spec.fp_tail and j // bs == p // bs))
-            if not quant:
-                kj = kj.to(torch.float16).float() if spec.k_bits == 16 else kj
-                vj = vj.to(torch.float16).float() if spec.v_bits == 16 else vj
-            elif fp:
-                kj, vj = kj.half().float(), vj.half().float()
-            else:
-                kj = fake_quantize(kj[None], spec.k_bits, kg, spec.k_sym)[0]
-                vj = fake_quantize(vj[None], spec.v_bits, vg, spec.v_sym)[0]
-            s = float(qv @ kj) * scale
-            if softcap > 0:
-                s = math.tanh(s / softcap) * softcap
-            logits.append(s)
-            values.append(vj)
-        lg = torch.tensor(logits + [float(sinks[h])])
-        w = torch.softmax(lg, 0)[:-1]
-        out[h] = rot(sum(wi * vi for wi, vi in zip(w, values)))
-    return out
+
+    def seen(j, kj, vj):
+        if not quant:
+            return (kj.to(torch.float16).float() if spec.k_bits == 16 else kj,
+                    vj.to(torch.float16).float() if spec.v_bits == 16 else vj)
+        if (spec.sink_blocks and j < bs) or (spec.fp_tail and j // bs == p // bs):
+            return kj.half().float(), vj.half().float()
+        return (fake_quantize(kj[None], spec.k_bits, kg, spec.k_sym)[0],
+                fake_quantize(vj[None], spec.v_bits, vg, spec.v_sym)[0])
+
+    return naive_attention_loop(q_tok, hist_k, hist_v, p, rot, seen, scale, window, softcap, sinks)
 
 
 @st.composite
