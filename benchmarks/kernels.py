@@ -565,6 +565,11 @@ def main(argv=None) -> int:
         print(pivot(json.loads(args.table.read_text())))
         return 0
     ctxs = args.ctx or ([1024, 4096] if args.quick else [1024, 4096, 16384])
+    from benchmarks.e2e import cpu_model
+
+    cpu = cpu_model()
+    # the path our kernel ran in the hosts: PAGEDKV_ISA when set (and available), else the best one
+    forced_isa = os.environ.get("PAGEDKV_ISA") or "auto"
     rounds = args.rounds or (3 if args.quick else 15)
     target = args.slice or (0.02 if args.quick else 0.03)
 
@@ -615,7 +620,8 @@ def main(argv=None) -> int:
                 for impl, m in ms.items():
                     b = sizes[impl]
                     rows.append(dict(impl=impl, ctx=ctx, threads=n, q_heads=hq, kv_heads=hkv, head_dim=d, ms=round(m, 4),
-                                     bytes=int(b), gb_s=round(b / (m * 1e-3) / 1e9, 2)))
+                                     bytes=int(b), gb_s=round(b / (m * 1e-3) / 1e9, 2), cpu=cpu,
+                                     **({"pagedkv_isa": forced_isa} if impl.startswith("pagedkv-") else {})))
                 print(f"  {dims} ctx {ctx} threads {n}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()),
                       flush=True)
             del runners
