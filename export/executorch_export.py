@@ -36,12 +36,12 @@ from pathlib import Path
 import torch
 
 from toolkit.compiler import PagedModel, group_table_names
+from export.artifacts import PTE_WEIGHTS
 from toolkit.errors import PagedKVError
 from toolkit.manifest import PTE_POOL_METHOD, pool_identity
 
 POOL_BUFFER_PREFIXES = ("codes_", "scales_", "stage_")
-ASYM_WEIGHTS = "8da4w-asym-e8h8"
-PTE_WEIGHTS = ("fp32", "8da4w", "8da4w-e8", ASYM_WEIGHTS)  # as export.artifacts.PTE_WEIGHTS
+ASYM_WEIGHTS = "8da4w-asym-e8h8"  # one of export.artifacts.PTE_WEIGHTS
 
 
 def _quantize_8da4w(model: torch.nn.Module, group_size: int = 32) -> None:
@@ -84,10 +84,13 @@ class ChunkedLinear(torch.nn.Module):
         # x itself for a single chunk: a slice of all columns would export as a copy outside XNNPACK
         return x if width == x.shape[-1] else x[..., start:start + width]
 
+    def _piece(self, i: int, xc: torch.Tensor) -> torch.Tensor:
+        return self.pieces[i](xc)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, start = None, 0
-        for piece, width in zip(self.pieces, self.widths):
-            part = piece(self._cols(x, start, width))
+        for i, width in enumerate(self.widths):
+            part = self._piece(i, self._cols(x, start, width))
             y = part if y is None else y + part
             start += width
         return y if self.bias is None else y + self.bias
@@ -145,16 +148,11 @@ class AsymInt4Linear(ChunkedLinear):
             ind = (torch.arange(c)[None, :] // group == torch.arange(per)[:, None]).float()
             self.indicator = torch.nn.Parameter(ind, requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _piece(self, i: int, xc: torch.Tensor) -> torch.Tensor:
+        part = self.pieces[i](xc)
         if self.offsets is None:
-            return super().forward(x)
-        y, start = None, 0
-        for piece, width, off in zip(self.pieces, self.widths, self.offsets):
-            xc = self._cols(x, start, width)
-            part = piece(xc) + torch.nn.functional.linear(torch.nn.functional.linear(xc, self.indicator), off)
-            y = part if y is None else y + part
-            start += width
-        return y if self.bias is None else y + self.bias
+            return part
+        return part + torch.nn.functional.linear(torch.nn.functional.linear(xc, self.indicator), self.offsets[i])
 
 
 def _int8_head(head: torch.nn.Linear, group: int = 32, chunk: int = ACT_CHUNK) -> ChunkedLinear:
