@@ -9,7 +9,9 @@
 //   void unpack4(const uint8_t* codes, int n, uint8_t* out);  // 4-bit LSB-first -> bytes
 //   void dequant_u8(const uint8_t* u, const uint16_t* meta, int d, int group, bool sym, int bits, float* out);
 // Optional fused fast path (Ops::kFastQuant = true, see pagedkv_core_avx2.cpp), used for quantized
-// blocks with 8/4-bit K and V and groups that are multiples of 16:
+// blocks with groups that are multiples of 16. The Ops read 8- and 4-bit codes; a spec with another
+// width (Gemma's K7/V5, the compact tier's V3) has each run's records widened to 8-bit records in
+// scratch first (widen_codes; the same scales), and the Ops read those:
 //   void q_scores(const QuantRun&, const float* q, const float* qsum, int G, float scale, float* sc, int ldsc);
 //   void v_accum(const QuantRun&, const float* p, int ldp, int G, float* acc);
 //   float exp_sub(float* x, int n, float m);   // x[i] = exp(x[i] - m), returns the sum
@@ -69,6 +71,10 @@ struct QuantRun {
   // pages early (prefetching only).
   const uint8_t* const* after_codes;
   int after_nseg;
+  // Asymmetric K / V on paths that read codes centred (Ops::kCentredAsym, NEON: u - 128 for 8 bits,
+  // u - 8 for 4, and the zero point as z + mid * s): mid = 2^(b-1) of the width the codes were stored
+  // in. Widened records hold such codes as u + 128 - mid, so that u' - 128 = u - mid stays small.
+  int k_mid, v_mid;
 };
 
 // Calls f(std::integral_constant<int, GN>(), g0) for the tiles g0 = 0, 4, 8, .. of the G query heads of
@@ -86,6 +92,52 @@ inline void for_head_tiles(int G, F&& f) {
   }
 }
 
+// The 8 codes of BITS bits in the low 8 BITS bits of w (LSB first), one per byte: three steps that
+// each move the upper half of every field group to its place (fields 4-7 to bit 32, then 2-3 and 6-7
+// to bits 16 and 48, then the odd fields to bytes 1, 3, 5, 7), plain 64-bit arithmetic
+template <int BITS>
+inline uint64_t spread_codes(uint64_t w) {
+  constexpr int d = 8 - BITS;
+  constexpr uint64_t m4 = (1ull << (4 * BITS)) - 1, m2 = ((1ull << (2 * BITS)) - 1) * 0x0000000100000001ull,
+                     m1 = ((1ull << BITS) - 1) * 0x0001000100010001ull;
+  if constexpr (d == 0) return w;
+  w = (w & m4) | ((w << (4 * d)) & (m4 << 32));
+  w = (w & m2) | ((w << (2 * d)) & (m2 << 16));
+  return (w & m1) | ((w << d) & (m1 << 8));
+}
+
+// n codes of BITS bits (LSB first, n a multiple of 8) as bytes, plus `add` (no byte overflows: codes +
+// add <= 255): 8 codes per BITS bytes, one little-endian 64-bit word each (an 8-byte load, except for
+// the last 8 codes: it reads no byte past the codes)
+template <int BITS>
+inline void widen_codes_n(const uint8_t* codes, int n, uint8_t add, uint8_t* out) {
+  const uint64_t adds = 0x0101010101010101ull * add;
+  auto eight = [&](uint64_t w, uint8_t* o) {
+    const uint64_t x = spread_codes<BITS>(w) + adds;
+    std::memcpy(o, &x, 8);
+  };
+  int i = 0;
+  for (; i + 8 < n; i += 8, codes += BITS) {
+    uint64_t w;
+    std::memcpy(&w, codes, 8);
+    eight(w, out + i);
+  }
+  uint64_t w = 0;
+  for (int b = 0; b < BITS; ++b) w |= (uint64_t)codes[b] << (8 * b);
+  eight(w, out + i);
+}
+inline void widen_codes(const uint8_t* codes, int bits, int n, uint8_t add, uint8_t* out) {
+  switch (bits) {
+    case 2: return widen_codes_n<2>(codes, n, add, out);
+    case 3: return widen_codes_n<3>(codes, n, add, out);
+    case 4: return widen_codes_n<4>(codes, n, add, out);
+    case 5: return widen_codes_n<5>(codes, n, add, out);
+    case 6: return widen_codes_n<6>(codes, n, add, out);
+    case 7: return widen_codes_n<7>(codes, n, add, out);
+    default: return widen_codes_n<8>(codes, n, add, out);
+  }
+}
+
 template <class T, class = void>
 struct HasRowOps : std::false_type {};
 template <class T>
@@ -95,6 +147,11 @@ template <class T, class = void>
 struct RunKeys : std::integral_constant<int, 0> {};
 template <class T>
 struct RunKeys<T, std::void_t<decltype(T::kRunKeys)>> : std::integral_constant<int, T::kRunKeys> {};
+
+template <class T, class = void>
+struct CentredAsym : std::false_type {};
+template <class T>
+struct CentredAsym<T, std::void_t<decltype(T::kCentredAsym)>> : std::integral_constant<bool, T::kCentredAsym> {};
 
 template <class T, class = void>
 struct HasFastQuant : std::false_type {};
@@ -120,8 +177,11 @@ struct Attend {
   float* metaf;   // [ld * Ws] (fast path)
   float* rowm;    // [G] block maxima, then the new running maxima (row ops)
   float* rows;    // [G] row sums (row ops)
+  uint8_t* wide;  // [ld, 2 D]: a run's records widened to 8-bit K and V codes (widen)
   const float* q;
   bool fast;      // quantized blocks go through Ops' fused path
+  bool widen;     // ... after widen_run (K or V neither 8 nor 4 bits)
+  int fk_bits, fv_bits;  // the code widths the fused path reads
 
   static constexpr bool kHasFast = HasFastQuant<Ops>::value;
   // Lazy softmax maximum (row ops): probabilities of at most e^kSlack. A larger slack takes the lazy path
@@ -166,10 +226,31 @@ struct Attend {
     qk = take(4 * (size_t)G * D);
     rowm = take(G);
     rows = take(G);
+    wide = reinterpret_cast<uint8_t*>(take((size_t)ld * 2 * D / 4));
     metaf = take(0);
-    fast = kHasFast && c.quantized && (P.k_bits == 8 || P.k_bits == 4) && (P.v_bits == 8 || P.v_bits == 4) &&
+    fast = kHasFast && c.quantized && P.k_bits >= 2 && P.k_bits <= 8 && P.v_bits >= 2 && P.v_bits <= 8 &&
            D % 16 == 0 && c.k_group % 16 == 0 && c.v_group % 16 == 0 && D / c.k_group <= 32 &&
            D / c.v_group <= 32 && bs <= 32 && bs % 8 == 0;
+    widen = fast && !((P.k_bits == 8 || P.k_bits == 4) && (P.v_bits == 8 || P.v_bits == 4));
+    fk_bits = widen ? 8 : P.k_bits;
+    fv_bits = widen ? 8 : P.v_bits;
+  }
+
+  // The n records of recs[] as 8-bit K | V records in `wide` (recs[] then point there). Symmetric codes
+  // move to the 8-bit centre, u + 128 - 2^(b-1), so that (u' - 128) s = (u - 2^(b-1)) s; asymmetric
+  // ones keep their value (u s + z), or on centred paths move the same way (see QuantRun::k_mid). The
+  // scales stay in the pool.
+  void widen_run(int n) {
+    const auto add = [](int bits, bool sym) {
+      return sym || CentredAsym<Ops>::value ? (uint8_t)(128 - (1 << (bits - 1))) : (uint8_t)0;
+    };
+    const uint8_t kadd = add(P.k_bits, P.k_sym), vadd = add(P.v_bits, P.v_sym);
+    for (int i = 0; i < n; ++i) {
+      uint8_t* dst = wide + (size_t)i * 2 * D;
+      widen_codes(recs[i], P.k_bits, D, kadd, dst);
+      widen_codes(recs[i] + c.kcb, P.v_bits, D, vadd, dst + D);
+      recs[i] = dst;
+    }
   }
 
   // x[i] = exp(x[i] - m) for i < n; returns the sum
@@ -300,9 +381,21 @@ struct Attend {
             after_codes[after_nseg++] = codes;
           }
         }
+      if (widen) {  // the run's records in 8-bit form; no look-ahead into the pool's (other) layout
+        widen_run(n);
+        QuantRun r{wide, pend_meta[0], 2 * (size_t)D, Ws, n, D, 8, c.k_group, 8, c.v_group, P.k_sym, P.v_sym,
+                   D, c.ksc, metaf, nseg, pend_meta, pend_n, recs, next_codes, next_meta, 0,
+                   (size_t)bs * 2 * D, (size_t)bs * Ws * 2, after_codes, 0,
+                   1 << (P.k_bits - 1), 1 << (P.v_bits - 1)};
+        Ops::q_scores(r, qk, qsum, G, P.scale, sc, ld);
+        softmax(n);
+        Ops::v_accum(r, sc, ld, G, acc);
+        return;
+      }
       QuantRun r{pend_codes[0], pend_meta[0], W, Ws, n, D, P.k_bits, c.k_group, P.v_bits,
                  c.v_group, P.k_sym, P.v_sym, c.kcb, c.ksc, metaf, nseg, pend_meta, pend_n, recs,
-                 next_codes, next_meta, next_nseg, (size_t)bs * W, (size_t)bs * Ws * 2, after_codes, after_nseg};
+                 next_codes, next_meta, next_nseg, (size_t)bs * W, (size_t)bs * Ws * 2, after_codes, after_nseg,
+                 1 << (P.k_bits - 1), 1 << (P.v_bits - 1)};
       Ops::q_scores(r, qk, qsum, G, P.scale, sc, ld);
       softmax(n);
       Ops::v_accum(r, sc, ld, G, acc);
@@ -366,7 +459,7 @@ struct Attend {
     std::memset(acc, 0, sizeof(float) * (size_t)G * D);
     std::memset(sc, 0, sizeof(float) * (size_t)G * ld);  // the fast path reads whole vectors of sc rows
     if constexpr (kHasFast) {
-      if (fast) Ops::q_prepare(q, G, D, P.k_bits, c.k_group, qk);
+      if (fast) Ops::q_prepare(q, G, D, fk_bits, c.k_group, qk);
     }
     if (fast) {
       const int ngk = D / c.k_group;

@@ -1,6 +1,6 @@
 // Micro-benchmark of the core alone (no host): one decode step (T = 1, one sequence, the new token at
 // position ctx) over `ctx` cached tokens with the default spec (K8 sym g64 / V4 asym g32, Hadamard, fp16
-// sink and tail), per code path. The pool holds random codes and scales in shuffled blocks (the cost does
+// sink and tail; BENCH_SPEC another), per code path. The pool holds random codes and scales in shuffled blocks (the cost does
 // not depend on the values). benchmarks/kernels.py runs it next to the hosts and the peers:
 //   pagedkv_core_bench [ctx=16384] [Hq=9] [Hkv=3] [D=64] [threads=1] [reps=200] [path: avx2|avx512|...]
 //   pagedkv_core_bench --paths      the code paths available on this CPU
@@ -141,6 +141,16 @@ int main(int argc, char** argv) {
   p.T = 1, p.Hq = Hq, p.Hkv = Hkv, p.D = D, p.block_size = bs;
   p.k_bits = 8, p.v_bits = 4, p.k_group = 64, p.v_group = 32, p.k_sym = true, p.v_sym = false;
   p.rotate = true, p.fp_tail = true, p.sink_blocks = 1, p.scale = 1.f / std::sqrt((float)D);
+  // BENCH_SPEC=k_bits,v_bits,k_group,v_group,k_sym,v_sym: another quantized spec (e.g. Gemma's "best":
+  // 7,5,64,32,1,0)
+  if (const char* e = std::getenv("BENCH_SPEC")) {
+    int kb, vb, kg, vg, ks, vs;
+    if (std::sscanf(e, "%d,%d,%d,%d,%d,%d", &kb, &vb, &kg, &vg, &ks, &vs) != 6) {
+      std::printf("error: BENCH_SPEC wants k_bits,v_bits,k_group,v_group,k_sym,v_sym\n");
+      return 2;
+    }
+    p.k_bits = kb, p.v_bits = vb, p.k_group = kg, p.v_group = vg, p.k_sym = ks != 0, p.v_sym = vs != 0;
+  }
   const int M = (ctx + 1 + bs - 1) / bs;
   p.num_blocks = M, p.stage_rows = 1, p.table_rows = 1, p.max_blocks_per_seq = M;
   record_widths(p, &p.code_width, &p.scale_width);

@@ -45,7 +45,7 @@ inline void scores_keys(const QuantRun& r, const uint8_t* c0, const float* m0, c
     for (int k = 0; k < NK; ++k) {
       const float* mk = m0 + (size_t)k * r.Ws;
       tot[k] = vfmaq_n_f32(tot[k], hsum4(acc[k][0], acc[k][1], acc[k][2], acc[k][3]), mk[gi]);
-      if (!SYM) tot[k] = vfmaq_n_f32(tot[k], qs, mk[ngk + gi] + (float)(1 << (BITS - 1)) * mk[gi]);
+      if (!SYM) tot[k] = vfmaq_n_f32(tot[k], qs, mk[ngk + gi] + (float)r.k_mid * mk[gi]);
     }
   }
   for (int k = 0; k < NK; ++k) {

@@ -136,7 +136,7 @@ inline void scores_keys(const QuantRun& r, const uint8_t* c0, const float* m0, c
       const float32x4_t t = vaddq_f32(vaddq_f32(vmulq_n_f32(L[0], 65536.f), vmulq_n_f32(L[1], 256.f)), L[2]);
       const float* mk = m0 + (size_t)k * r.Ws;
       tot[k] = vfmaq_n_f32(tot[k], vmulq_f32(t, sq), mk[gi]);
-      if (!SYM) tot[k] = vfmaq_n_f32(tot[k], qs, mk[ngk + gi] + (float)(1 << (BITS - 1)) * mk[gi]);
+      if (!SYM) tot[k] = vfmaq_n_f32(tot[k], qs, mk[ngk + gi] + (float)r.k_mid * mk[gi]);
     }
   }
   for (int k = 0; k < NK; ++k) {

@@ -303,7 +303,9 @@ static std::vector<Isa> simd_paths() {
   return paths;
 }
 
-// Runs `base` on the scalar path and on every SIMD path: pools bit-identical, outputs within 1e-4.
+// Runs `base` on the scalar path and on every SIMD path: pools bit-identical, outputs within 2e-4 (the
+// paths sum in other orders: ~2e-6 absolute on outputs of ~3, which max_rel's 1e-2 floor turns into up
+// to ~1.3e-4 for outputs near zero; a wrong code or scale is off by 1e-2 or more).
 static void check_paths_agree(const Case& base, const char* what, int index) {
   set_isa(Isa::kScalar);
   Case c0 = base;
@@ -316,7 +318,7 @@ static void check_paths_agree(const Case& base, const char* what, int index) {
     run_case(c1, out1);
     CHECK(c1.codes == c0.codes && c1.scales == c0.scales && c1.stage == c0.stage, "%s pools differ", isa_name(isa));
     const float e = max_rel(out1, out0);
-    CHECK(e < 1e-4f, "%s vs scalar, %s %d: max rel err %g", isa_name(isa), what, index, e);
+    CHECK(e < 2e-4f, "%s vs scalar, %s %d: max rel err %g", isa_name(isa), what, index, e);
   }
   set_isa(Isa::kAuto);
 }
@@ -347,8 +349,8 @@ static void set_quant_spec(Case& c, int k_group, int v_group, bool k_sym, bool v
   c.scales.assign((size_t)c.NB * c.Hkv * c.bs * std::max(1, p.scale_width), 0);
 }
 
-// Quantized specs whose sequences span several full blocks, so the fused fast path (8/4-bit K and V,
-// groups of 16k, bs <= 32, bs % 8 == 0) runs over many blocks: the default spec (K8 sym g64, V4 asym
+// Quantized specs whose sequences span several full blocks, so the fused fast path (groups of 16k,
+// bs <= 32, bs % 8 == 0; widths other than 8/4 bits through widened records) runs over many blocks: the default spec (K8 sym g64, V4 asym
 // g32, rotate, fp tail, sink block) and variations of group size, symmetry, G (tiles of 4 heads and
 // a remainder), window (odd run lengths) and softcap.
 static void test_quant_paths_agree() {
@@ -360,6 +362,9 @@ static void test_quant_paths_agree() {
       {2, 128, 8, 4, 8, 16, 64, false, true, 0, 20.f, {90, 33}},      // 4-bit asym K, softcap
       {8, 256, 32, 4, 4, 128, 256, true, true, 0, 0.f, {100}},
       {1, 64, 16, 4, 4, 64, 64, false, false, 33, 0.f, {130, 64}},
+      {4, 256, 16, 7, 5, 64, 32, true, false, 0, 0.f, {120, 40}},     // Gemma 3's best: widened records
+      {3, 64, 16, 4, 3, 64, 64, true, false, 40, 0.f, {150}},        // the compact spec, window
+      {2, 128, 32, 6, 2, 32, 16, false, true, 0, 0.f, {90, 17}},
   };
   for (size_t n = 0; n < cfgs.size(); ++n) {
     const Cfg& f = cfgs[n];

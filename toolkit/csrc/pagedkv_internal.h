@@ -41,12 +41,12 @@ inline int run_capacity(int block_size) { return block_size < kMaxRunKeys ? kMax
 // The arrays of an attend call's scratch start on cache lines (floats per line)
 constexpr size_t kScratchAlignFloats = 16;
 
-// Floats of per-thread scratch one attend call needs (12 arrays, each padded to a cache line).
+// Floats of per-thread scratch one attend call needs (13 arrays, each padded to a cache line).
 inline size_t attn_scratch_floats(const AttnContext& c) {
   const size_t D = (size_t)c.p->D, bs = (size_t)run_capacity(c.p->block_size), G = (size_t)c.G;
   return 2 * D + 2 * D /*unpacked codes*/ + G * bs + G * D + 2 * G + 64 + G * 32 /*q sums per K group*/ +
-         4 * G * D /*prepared q*/ + 2 * G /*row ops*/ + bs * (size_t)c.p->scale_width + 8 /*float meta of a run*/ +
-         12 * kScratchAlignFloats;
+         4 * G * D /*prepared q*/ + 2 * G /*row ops*/ + bs * 2 * D / 4 /*a run's widened records*/ +
+         bs * (size_t)c.p->scale_width + 8 /*float meta of a run*/ + 13 * kScratchAlignFloats;
 }
 
 // Attention for token t and KV head h: all G query heads of that KV head, written to out.

@@ -105,7 +105,7 @@ inline void load16f(const uint8_t* codes, int j, float32x4_t x[4]) {
 }
 
 // acc[g] += sum_i p[g][i] * v_i for GN <= 4 heads, v_i = s * (u - c) (sym) or s * u + z (asym), c =
-// 2^(b-1): accumulated as (p * s) * (u - c) + sum_i p * z', z' = z + c * s (asym) or 0, 16 dims at a
+// 2^(b-1) (r.v_mid for asym): accumulated as (p * s) * (u - c) + sum_i p * z', z' = z + c * s (asym) or 0, 16 dims at a
 // time kept in registers over the keys. The centred form keeps asym terms small: p * s * u and p * z
 // would largely cancel (measured: about 2x lower rms error than accumulating s * u + z).
 template <int BITS, bool SYM, int GN>
@@ -120,7 +120,7 @@ void vacc_tile(const QuantRun& r, const float* p, int ldp, float* acc) {
     const float* mk = r.metaf + r.ksc + k;
     for (int i = 0; i < n4; ++i) sv[i] = i < n ? mk[(size_t)i * r.Ws] : 0.f;
     if (!SYM)  // z + c * s: c * s is exact, one rounding of a value near the group's mid-range
-      for (int i = 0; i < n4; ++i) zv[i] = i < n ? mk[(size_t)i * r.Ws + ngv] + (float)(1 << (BITS - 1)) * sv[i] : 0.f;
+      for (int i = 0; i < n4; ++i) zv[i] = i < n ? mk[(size_t)i * r.Ws + ngv] + (float)r.v_mid * sv[i] : 0.f;
     for (int g = 0; g < GN; ++g) {
       const float* pg = p + (size_t)g * ldp;
       float* cf = coef + ((size_t)k * 4 + g) * 32;
@@ -179,6 +179,7 @@ inline float32x4_t exp_f32x4(float32x4_t x) {
 
 // The fp32 members of an Ops struct with kFastQuant (q_scores / q_prepare come from the path).
 struct NeonFusedOps : NeonOps {
+  static constexpr bool kCentredAsym = true;  // asymmetric codes read as u - 2^(b-1) (QuantRun::k_mid)
   static void v_accum(const QuantRun& r, const float* p, int ldp, int G, float* acc) {
     if (r.v_bits == 8) {
       r.v_sym ? vacc_all<8, true>(r, p, ldp, G, acc) : vacc_all<8, false>(r, p, ldp, G, acc);
