@@ -179,9 +179,26 @@ struct Attend {
   float* rows;    // [G] row sums (row ops)
   uint8_t* wide;  // [ld, 2 D]: a run's records widened to 8-bit K and V codes (widen)
   const float* q;
-  bool fast;      // quantized blocks go through Ops' fused path
-  bool widen;     // ... after widen_run (K or V neither 8 nor 4 bits)
-  int fk_bits, fv_bits;  // the code widths the fused path reads
+  // One region of the pool as attention reads it: the default blocks, or (a mixed call) the compact
+  // blocks, with their own spec, record widths and fused-path choice. A run never mixes regions.
+  struct Region {
+    const uint8_t* codes;
+    const uint16_t* scales;
+    size_t W, Ws;
+    int k_bits, v_bits, k_group, v_group;
+    bool k_sym, v_sym;
+    int kcb, ksc;   // V codes / V meta start inside a record
+    bool fast;      // quantized blocks go through Ops' fused path
+    bool widen;     // ... after widen_run (K or V neither 8 nor 4 bits)
+    int fk_bits;    // the K code width the fused path reads
+    float* qk;      // q as Ops::q_prepare wrote it for (fk_bits, k_group), and its sums per K group: the
+    float* qsum;    // default region's own (begin); the compact one shares them when they agree, else
+                    // prepares its own at its first run (prepare_compact_q)
+  };
+  Region reg[2];    // 0 default, 1 compact (mixed calls only)
+  int pend_reg = 0;         // region of the pending blocks
+  bool cq_ready = false;    // the compact region's own q is prepared for this (t, h)
+  bool fast;      // the default region's fused path (reg[0].fast)
 
   static constexpr bool kHasFast = HasFastQuant<Ops>::value;
   // Lazy softmax maximum (row ops): probabilities of at most e^kSlack. A larger slack takes the lazy path
@@ -227,28 +244,49 @@ struct Attend {
     rowm = take(G);
     rows = take(G);
     wide = reinterpret_cast<uint8_t*>(take((size_t)ld * 2 * D / 4));
+    const bool compact = c.num_compact > 0;
+    float* cqk = take(compact ? 4 * (size_t)G * D : 0);
+    float* cqsum = take(compact ? (size_t)G * 32 : 0);
     metaf = take(0);
-    fast = kHasFast && c.quantized && P.k_bits >= 2 && P.k_bits <= 8 && P.v_bits >= 2 && P.v_bits <= 8 &&
-           D % 16 == 0 && c.k_group % 16 == 0 && c.v_group % 16 == 0 && D / c.k_group <= 32 &&
-           D / c.v_group <= 32 && bs <= 32 && bs % 8 == 0;
-    widen = fast && !((P.k_bits == 8 || P.k_bits == 4) && (P.v_bits == 8 || P.v_bits == 4));
-    fk_bits = widen ? 8 : P.k_bits;
-    fv_bits = widen ? 8 : P.v_bits;
+    reg[0] = region(static_cast<const uint8_t*>(B.codes), B.scales, P.code_width, P.scale_width, P.k_bits, P.v_bits,
+                    c.k_group, c.v_group, P.k_sym, P.v_sym, c.kcb, c.ksc);
+    reg[0].qk = qk, reg[0].qsum = qsum;
+    fast = reg[0].fast;
+    if (compact) {
+      Region& r = reg[1];
+      r = region(B.compact_codes, B.compact_scales, P.compact_code_width, P.compact_scale_width, P.ck_bits, P.cv_bits,
+                 c.ck_group, c.cv_group, P.ck_sym, P.cv_sym, c.ckcb, c.cksc);
+      const bool share = reg[0].fast && r.fk_bits == reg[0].fk_bits && r.k_group == reg[0].k_group;
+      r.qk = share ? qk : cqk;
+      r.qsum = share ? qsum : cqsum;
+    }
+  }
+
+  Region region(const uint8_t* codes, const uint16_t* scales, int W, int Ws, int k_bits, int v_bits, int k_group,
+                int v_group, bool k_sym, bool v_sym, int kcb, int ksc) const {
+    Region r{codes, scales, (size_t)W, (size_t)Ws, k_bits, v_bits, k_group, v_group, k_sym, v_sym, kcb, ksc,
+             false, false, k_bits, nullptr, nullptr};
+    r.fast = kHasFast && c.quantized && k_bits >= 2 && k_bits <= 8 && v_bits >= 2 && v_bits <= 8 && D % 16 == 0 &&
+             k_group % 16 == 0 && v_group % 16 == 0 && D / k_group <= 32 && D / v_group <= 32 && bs <= 32 &&
+             bs % 8 == 0;
+    r.widen = r.fast && !((k_bits == 8 || k_bits == 4) && (v_bits == 8 || v_bits == 4));
+    r.fk_bits = r.widen ? 8 : k_bits;
+    return r;
   }
 
   // The n records of recs[] as 8-bit K | V records in `wide` (recs[] then point there). Symmetric codes
   // move to the 8-bit centre, u + 128 - 2^(b-1), so that (u' - 128) s = (u - 2^(b-1)) s; asymmetric
   // ones keep their value (u s + z), or on centred paths move the same way (see QuantRun::k_mid). The
   // scales stay in the pool.
-  void widen_run(int n) {
+  void widen_run(const Region& R, int n) {
     const auto add = [](int bits, bool sym) {
       return sym || CentredAsym<Ops>::value ? (uint8_t)(128 - (1 << (bits - 1))) : (uint8_t)0;
     };
-    const uint8_t kadd = add(P.k_bits, P.k_sym), vadd = add(P.v_bits, P.v_sym);
+    const uint8_t kadd = add(R.k_bits, R.k_sym), vadd = add(R.v_bits, R.v_sym);
     for (int i = 0; i < n; ++i) {
       uint8_t* dst = wide + (size_t)i * 2 * D;
-      widen_codes(recs[i], P.k_bits, D, kadd, dst);
-      widen_codes(recs[i] + c.kcb, P.v_bits, D, vadd, dst + D);
+      widen_codes(recs[i], R.k_bits, D, kadd, dst);
+      widen_codes(recs[i] + R.kcb, R.v_bits, D, vadd, dst + D);
       recs[i] = dst;
     }
   }
@@ -268,13 +306,13 @@ struct Attend {
     }
   }
 
-  // K (part=0) or V (part=1) of a quantized record as floats.
-  const float* load_quant(const uint8_t* rec, const uint16_t* meta, int part, float* dst) {
-    const int bits = part ? P.v_bits : P.k_bits;
-    const int group = part ? c.v_group : c.k_group;
-    const bool sym = part ? P.v_sym : P.k_sym;
-    const uint8_t* codes = part ? rec + c.kcb : rec;
-    const uint16_t* m = part ? meta + c.ksc : meta;
+  // K (part=0) or V (part=1) of a quantized record of region R as floats.
+  const float* load_quant(const Region& R, const uint8_t* rec, const uint16_t* meta, int part, float* dst) {
+    const int bits = part ? R.v_bits : R.k_bits;
+    const int group = part ? R.v_group : R.k_group;
+    const bool sym = part ? R.v_sym : R.k_sym;
+    const uint8_t* codes = part ? rec + R.kcb : rec;
+    const uint16_t* m = part ? meta + R.ksc : meta;
     const uint8_t* u;
     if (bits == 8) {
       u = codes;
@@ -357,53 +395,75 @@ struct Attend {
     mx[g] = mnew;
   }
 
-  // fused path: the nseg pending quantized blocks as one run
+  // fused path: the nseg pending quantized blocks (all of region pend_reg) as one run
   void run_quant(int nseg) {
     if constexpr (kHasFast) {
-      const size_t W = (size_t)P.code_width;
+      const Region& R = reg[pend_reg];
+      const size_t W = R.W;
       int n = 0;
       for (int s = 0; s < nseg; ++s)
         for (int i = 0; i < pend_n[s]; ++i) recs[n++] = pend_codes[s] + (size_t)i * W;
-      // the next run's blocks, if they are plain pool blocks of this walk
-      const size_t Ws = (size_t)P.scale_width;
+      // the next run's blocks, if they are plain pool blocks of this walk and of the same region
+      const size_t Ws = R.Ws;
       // and the blocks of the run after it
       int next_nseg = 0, after_nseg = 0;
       if (kRunKeys > 0)
         for (int64_t b = pend_last + 1; b <= pend_end && after_nseg < kRunKeys / bs; ++b) {
           const int64_t blk = pend_row[b];
-          if (blk < 0 || (c.use_tail && b == pend_end)) break;
-          const size_t rec0 = block_rec(blk, cur_h);
-          const uint8_t* codes = static_cast<const uint8_t*>(B.codes) + rec0 * W;
+          if (blk < 0 || (c.use_tail && b == pend_end) || (blk >= P.num_blocks) != (pend_reg == 1)) break;
+          const size_t rec0 = block_rec(pend_reg ? blk - P.num_blocks : blk, cur_h);
+          const uint8_t* codes = R.codes + rec0 * W;
           if (next_nseg < kRunKeys / bs) {
             next_codes[next_nseg] = codes;
-            next_meta[next_nseg++] = B.scales + rec0 * Ws;
+            next_meta[next_nseg++] = R.scales + rec0 * Ws;
           } else {
             after_codes[after_nseg++] = codes;
           }
         }
-      if (widen) {  // the run's records in 8-bit form; no look-ahead into the pool's (other) layout
-        widen_run(n);
-        QuantRun r{wide, pend_meta[0], 2 * (size_t)D, Ws, n, D, 8, c.k_group, 8, c.v_group, P.k_sym, P.v_sym,
-                   D, c.ksc, metaf, nseg, pend_meta, pend_n, recs, next_codes, next_meta, 0,
+      if (pend_reg == 1 && R.qk != reg[0].qk && !cq_ready) {
+        prepare_q(R);
+        cq_ready = true;
+      }
+      if (R.widen) {  // the run's records in 8-bit form; no look-ahead into the pool's (other) layout
+        widen_run(R, n);
+        QuantRun r{wide, pend_meta[0], 2 * (size_t)D, Ws, n, D, 8, R.k_group, 8, R.v_group, R.k_sym, R.v_sym,
+                   D, R.ksc, metaf, nseg, pend_meta, pend_n, recs, next_codes, next_meta, 0,
                    (size_t)bs * 2 * D, (size_t)bs * Ws * 2, after_codes, 0,
-                   1 << (P.k_bits - 1), 1 << (P.v_bits - 1)};
-        Ops::q_scores(r, qk, qsum, G, P.scale, sc, ld);
+                   1 << (R.k_bits - 1), 1 << (R.v_bits - 1)};
+        Ops::q_scores(r, R.qk, R.qsum, G, P.scale, sc, ld);
         softmax(n);
         Ops::v_accum(r, sc, ld, G, acc);
         return;
       }
-      QuantRun r{pend_codes[0], pend_meta[0], W, Ws, n, D, P.k_bits, c.k_group, P.v_bits,
-                 c.v_group, P.k_sym, P.v_sym, c.kcb, c.ksc, metaf, nseg, pend_meta, pend_n, recs,
+      QuantRun r{pend_codes[0], pend_meta[0], W, Ws, n, D, R.k_bits, R.k_group, R.v_bits,
+                 R.v_group, R.k_sym, R.v_sym, R.kcb, R.ksc, metaf, nseg, pend_meta, pend_n, recs,
                  next_codes, next_meta, next_nseg, (size_t)bs * W, (size_t)bs * Ws * 2, after_codes, after_nseg,
-                 1 << (P.k_bits - 1), 1 << (P.v_bits - 1)};
-      Ops::q_scores(r, qk, qsum, G, P.scale, sc, ld);
+                 1 << (R.k_bits - 1), 1 << (R.v_bits - 1)};
+      Ops::q_scores(r, R.qk, R.qsum, G, P.scale, sc, ld);
       softmax(n);
       Ops::v_accum(r, sc, ld, G, acc);
     }
   }
 
-  // a quantized block for the fused path: run now, or add it to the pending run
-  void quant_block(const uint8_t* codes, const uint16_t* meta, int n, int64_t b) {
+  // q in the form region R's fused path reads: Ops::q_prepare for its K width and group, and the sums
+  // of q per K group (asymmetric K)
+  void prepare_q(const Region& R) {
+    if constexpr (kHasFast) Ops::q_prepare(q, G, D, R.fk_bits, R.k_group, R.qk);
+    const int ngk = D / R.k_group;
+    for (int g = 0; g < G; ++g)
+      for (int k = 0; k < ngk; ++k) {
+        const float* qg = q + (size_t)g * D + (size_t)k * R.k_group;
+        float sum = 0.f;
+        for (int i = 0; i < R.k_group; ++i) sum += qg[i];
+        R.qsum[g * ngk + k] = sum;
+      }
+  }
+
+  // a quantized block of region ri for the fused path: run now, or add it to the pending run (a run
+  // holds the blocks of one region: a block of the other one runs the pending ones first)
+  void quant_block(int ri, const uint8_t* codes, const uint16_t* meta, int n, int64_t b) {
+    if (pend && ri != pend_reg) flush_pending();
+    pend_reg = ri;
     if (kRunKeys > 0 && pend_keys + n > kRunKeys) flush_pending();
     pend_last = b;
     pend_codes[pend] = codes, pend_meta[pend] = meta, pend_n[pend] = n;
@@ -458,19 +518,8 @@ struct Attend {
     }
     std::memset(acc, 0, sizeof(float) * (size_t)G * D);
     std::memset(sc, 0, sizeof(float) * (size_t)G * ld);  // the fast path reads whole vectors of sc rows
-    if constexpr (kHasFast) {
-      if (fast) Ops::q_prepare(q, G, D, fk_bits, c.k_group, qk);
-    }
-    if (fast) {
-      const int ngk = D / c.k_group;
-      for (int g = 0; g < G; ++g)
-        for (int k = 0; k < ngk; ++k) {
-          const float* qg = q + (size_t)g * D + (size_t)k * c.k_group;
-          float sum = 0.f;
-          for (int i = 0; i < c.k_group; ++i) sum += qg[i];
-          qsum[g * ngk + k] = sum;
-        }
-    }
+    if (fast) prepare_q(reg[0]);
+    cq_ready = false;
   }
 
   // merge the split partials of (t, h) into the state, then finish
@@ -505,7 +554,7 @@ struct Attend {
     const int64_t* row = B.block_tables + s * M;
     const int64_t pb = pos / bs;
     const int64_t lo = P.window > 0 ? pos - P.window + 1 : 0;  // first visible key
-    const size_t W = (size_t)P.code_width, Ws = (size_t)P.scale_width;
+    const size_t W = (size_t)P.code_width;  // float pools (quantized blocks: their Region)
     const size_t stage_head = (size_t)bs * D;
     const size_t stage_kv = (size_t)Hkv * stage_head;  // stride of the K|V dim
     pend_row = row, pend_end = blast, cur_h = h;
@@ -539,15 +588,18 @@ struct Attend {
       } else {
         const int64_t blk = row[b];
         if (blk < 0) continue;
-        const size_t rec0 = block_rec(blk, h) + o0;
+        const int ri = blk >= P.num_blocks;  // ids past the default blocks: the compact region (mixed call)
+        const Region& R = reg[ri];
+        const size_t rec0 = block_rec(ri ? blk - P.num_blocks : blk, h) + o0;
         if (c.quantized) {
-          const uint8_t* codes = static_cast<const uint8_t*>(B.codes) + rec0 * W;
-          const uint16_t* meta = B.scales + rec0 * Ws;
-          if (fast) {
-            quant_block(codes, meta, n, b);
+          const uint8_t* codes = R.codes + rec0 * R.W;
+          const uint16_t* meta = R.scales + rec0 * R.Ws;
+          if (R.fast) {
+            quant_block(ri, codes, meta, n, b);
           } else {
+            flush_pending();  // (a fused run of the other region)
             run(n, [&](int i, int part) {
-              return load_quant(codes + (size_t)i * W, meta + (size_t)i * Ws, part, part ? vrow : krow);
+              return load_quant(R, codes + (size_t)i * R.W, meta + (size_t)i * R.Ws, part, part ? vrow : krow);
             });
           }
         } else if (P.float_bits == 16) {

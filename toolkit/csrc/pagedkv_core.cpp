@@ -210,6 +210,8 @@ struct CallSpec {
   bool quantized, use_sink, use_tail, rotate;
   int kg, vg;    // group sizes (0 in the params = head_dim)
   int kcb, ksc;  // K code bytes and K scale count of a record (V follows)
+  bool compact;  // a compact region (num_compact > 0)
+  int ckg, cvg, ckcb, cksc;  // the same for the compact spec
 };
 
 // This thread's buffers of one call (reused by the next).
@@ -220,6 +222,50 @@ struct CallScratch {
   std::vector<int64_t> last_pos;                 // per sequence: its last position in the call
 };
 thread_local CallScratch tl_call;
+
+// The compact region of a mixed call (POOL_FORMAT.md "Compact region"): its spec and record widths.
+int check_compact(const PagedAttnParams& P, const PagedAttnBuffers& B, CallSpec* s, char* err, size_t err_len) {
+  const int D = P.D;
+  s->compact = P.num_compact > 0;
+  s->ckg = P.ck_group ? P.ck_group : D;
+  s->cvg = P.cv_group ? P.cv_group : D;
+  s->ckcb = s->cksc = 0;
+  if (P.num_compact < 0) {
+    set_err(err, err_len, "pagedkv: %d compact blocks (use 0 for none)", P.num_compact);
+    return kErrShape;
+  }
+  if (!s->compact) return kOk;
+  if (!s->quantized) {
+    set_err(err, err_len, "pagedkv: a compact region needs a quantized pool (this pool is float%d)", P.float_bits);
+    return kErrShape;
+  }
+  for (int bits : {P.ck_bits, P.cv_bits})
+    if (bits < 2 || bits > 8 || (D * bits) % 8) {
+      set_err(err, err_len, "pagedkv: unsupported compact bits %d for head_dim %d (use 2..8 with whole bytes)", bits,
+              D);
+      return kErrShape;
+    }
+  if (s->ckg <= 0 || s->cvg <= 0 || D % s->ckg || D % s->cvg) {
+    set_err(err, err_len, "pagedkv: compact group sizes k=%d v=%d must divide head_dim %d", P.ck_group, P.cv_group, D);
+    return kErrShape;
+  }
+  int cw, sw;
+  compact_record_widths(P, &cw, &sw);
+  if (P.compact_code_width != cw || P.compact_scale_width != sw) {
+    set_err(err, err_len,
+            "pagedkv: compact record widths (codes %d, scales %d) do not match the compact spec and head_dim %d "
+            "(expected codes %d, scales %d): the compact region was allocated for another compact spec",
+            P.compact_code_width, P.compact_scale_width, D, cw, sw);
+    return kErrShape;
+  }
+  if (!B.compact_codes || !B.compact_scales) {
+    set_err(err, err_len, "pagedkv: %d compact blocks but no compact codes/scales data", P.num_compact);
+    return kErrShape;
+  }
+  s->ckcb = D * P.ck_bits / 8;
+  s->cksc = (D / s->ckg) * (P.ck_sym ? 1 : 2);
+  return kOk;
+}
 
 // Shapes, spec and record widths; nothing about the data yet.
 int check_shapes(const PagedAttnParams& P, const PagedAttnBuffers& B, CallSpec* s, char* err, size_t err_len) {
@@ -276,7 +322,7 @@ int check_shapes(const PagedAttnParams& P, const PagedAttnBuffers& B, CallSpec* 
     set_err(err, err_len, "pagedkv: the spec keeps float sink/tail blocks but the stage tensor is empty");
     return kErrShape;
   }
-  return kOk;
+  return check_compact(P, B, s, err, err_len);
 }
 
 // Every token's sequence slot, write block and block table (nothing written yet).
@@ -298,6 +344,13 @@ int check_slots(const PagedAttnParams& P, const PagedAttnBuffers& B, const CallS
     }
     const int64_t* row = B.block_tables + seq * M;
     const int64_t blk = row[p / bs];
+    if (s.compact && blk >= P.num_blocks && blk < (int64_t)P.num_blocks + P.num_compact) {
+      set_err(err, err_len,
+              "pagedkv: layer %d: position %lld of sequence %lld maps to compact block %lld (id >= %d): new tokens "
+              "are written to the pool's default region only; give the block table a default block there",
+              P.layer, (long long)p, (long long)seq, (long long)blk, P.num_blocks);
+      return kErrSlot;
+    }
     if (blk < 0 || blk >= P.num_blocks) {
       set_err(err, err_len,
               "pagedkv: layer %d: sequence %lld position %lld has no valid block (block id %lld, pool has %d "
@@ -305,10 +358,17 @@ int check_slots(const PagedAttnParams& P, const PagedAttnBuffers& B, const CallS
               P.layer, (long long)seq, (long long)p, (long long)blk, P.num_blocks);
       return kErrSlot;
     }
+    const int64_t nblk = (int64_t)P.num_blocks + (s.compact ? P.num_compact : 0);  // ids of both regions
     for (int64_t b = 0; b < p / bs; ++b)
-      if (row[b] < -1 || row[b] >= P.num_blocks) {
-        set_err(err, err_len, "pagedkv: layer %d: block table of sequence %lld holds block id %lld (pool has %d blocks)",
-                P.layer, (long long)seq, (long long)row[b], P.num_blocks);
+      if (row[b] < -1 || row[b] >= nblk) {
+        if (s.compact)
+          set_err(err, err_len,
+                  "pagedkv: layer %d: block table of sequence %lld holds block id %lld (pool has %d blocks + %d "
+                  "compact: use ids 0..%lld, or -1 for none)",
+                  P.layer, (long long)seq, (long long)row[b], P.num_blocks, P.num_compact, (long long)nblk - 1);
+        else
+          set_err(err, err_len, "pagedkv: layer %d: block table of sequence %lld holds block id %lld (pool has %d blocks)",
+                  P.layer, (long long)seq, (long long)row[b], P.num_blocks);
         return kErrSlot;
       }
   }
@@ -455,6 +515,11 @@ void attend_all(const PagedAttnParams& P, const PagedAttnBuffers& B, const CallS
   ctx.kcb = s.kcb;
   ctx.ksc = s.ksc;
   ctx.quantized = s.quantized;
+  ctx.num_compact = s.compact ? P.num_compact : 0;
+  ctx.ck_group = s.ckg;
+  ctx.cv_group = s.cvg;
+  ctx.ckcb = s.ckcb;
+  ctx.cksc = s.cksc;
   ctx.use_sink = s.use_sink;
   ctx.use_tail = s.use_tail;
   ctx.rotate = s.rotate;
@@ -493,6 +558,14 @@ void record_widths(const PagedAttnParams& p, int* code_width, int* scale_width) 
   const int kg = p.k_group ? p.k_group : p.D, vg = p.v_group ? p.v_group : p.D;
   *code_width = p.D * p.k_bits / 8 + p.D * p.v_bits / 8;
   *scale_width = (kg > 0 ? p.D / kg : 0) * (p.k_sym ? 1 : 2) + (vg > 0 ? p.D / vg : 0) * (p.v_sym ? 1 : 2);
+}
+
+void compact_record_widths(const PagedAttnParams& p, int* code_width, int* scale_width) {
+  PagedAttnParams c = p;
+  c.float_pool = false;
+  c.k_bits = p.ck_bits, c.v_bits = p.cv_bits, c.k_group = p.ck_group, c.v_group = p.cv_group;
+  c.k_sym = p.ck_sym, c.v_sym = p.cv_sym;
+  record_widths(c, code_width, scale_width);
 }
 
 int paged_attention(const PagedAttnParams& P, const PagedAttnBuffers& B, char* err, size_t err_len,

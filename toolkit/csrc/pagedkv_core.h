@@ -12,6 +12,8 @@
 //   stage  uint16 (float16 bits) [S, 2 (sink|tail), 2 (K|V), Hkv, bs, D]
 //   positions, seq_ids int64 [T]; block_tables int64 [S_rows, M]; sinks float32 [Hq]
 //   out    float32 [T, Hq, D]
+//   compact_codes uint8 [NC, Hkv, bs, CW], compact_scales uint16 (float16 bits) [NC, Hkv, bs, CWs]
+//          (the mixed op only: the compact region, read only; POOL_FORMAT.md "Compact region")
 #pragma once
 
 #include <cstddef>
@@ -37,6 +39,14 @@ struct PagedAttnParams {
   // Expected tensor element counts / widths the host saw (checked against the params).
   int code_width = 0;   // W
   int scale_width = 0;  // Ws (ignored for float pools)
+  // The compact region (the mixed op; quantized pools only): num_compact > 0 compact blocks whose
+  // records follow the compact spec below (rotate, fp_tail and sink_blocks are the pool's). A block-table
+  // id b >= num_blocks names compact block b - num_blocks; new tokens are never written there.
+  int num_compact = 0;  // NC (0: no compact region, the default op)
+  int ck_bits = 4, cv_bits = 3, ck_group = 64, cv_group = 64;  // group 0 = head_dim
+  bool ck_sym = true, cv_sym = false;
+  int compact_code_width = 0;   // CW
+  int compact_scale_width = 0;  // CWs
 };
 
 struct PagedAttnBuffers {
@@ -51,6 +61,8 @@ struct PagedAttnBuffers {
   const int64_t* block_tables = nullptr;
   const float* sinks = nullptr;
   float* out = nullptr;
+  const uint8_t* compact_codes = nullptr;    // when num_compact > 0
+  const uint16_t* compact_scales = nullptr;
 };
 
 enum Status : int {
@@ -78,6 +90,8 @@ int paged_attention(const PagedAttnParams& p, const PagedAttnBuffers& b, char* e
 
 // Record widths for a quantized spec (codes bytes, fp16 scale count) or float pool (elements, 0).
 void record_widths(const PagedAttnParams& p, int* code_width, int* scale_width);
+// The same for the compact spec (ck_bits, cv_bits, ck_group, cv_group, ck_sym, cv_sym).
+void compact_record_widths(const PagedAttnParams& p, int* code_width, int* scale_width);
 
 // ---- code paths and threads ------------------------------------------------------------------
 enum class Isa : int { kAuto = 0, kScalar = 1, kAvx2 = 2, kNeon = 3, kNeonDot = 4, kAvx512 = 5, kAvx512Vnni = 6 };

@@ -123,6 +123,8 @@ struct Case {
   std::vector<uint8_t> codes;  // raw bytes of the pool (uint8 / fp16 / fp32)
   std::vector<uint16_t> scales, stage;
   std::vector<int64_t> pos, seq, table;
+  std::vector<uint8_t> ccodes;  // the compact region (mixed tables; p.num_compact blocks)
+  std::vector<uint16_t> cscales;
 };
 
 static Case make_case(int Hq, int Hkv, int D, int bs, int kbits, int vbits, bool rotate, bool tail, int sink,
@@ -177,6 +179,7 @@ static int run_case(Case& c, std::vector<float>& out, std::string* err = nullptr
   b.codes = c.codes.data(), b.scales = c.scales.data(), b.stage = c.stage.data();
   b.positions = c.pos.data(), b.seq_ids = c.seq.data(), b.block_tables = c.table.data(), b.sinks = c.sinks.data();
   b.out = out.data();
+  if (!c.ccodes.empty()) b.compact_codes = c.ccodes.data(), b.compact_scales = c.cscales.data();
   char msg[512] = {0};
   const int rc = paged_attention(c.p, b, msg, sizeof msg, host);
   if (err) *err = msg;
@@ -419,6 +422,266 @@ static void test_negative_scales_paths_agree() {
   check_paths_agree(step, "negative V scales", 0);
 }
 
+// ------------------------------------------------------------------------------------------------
+// Mixed default/compact block tables (the compact tier, POOL_FORMAT.md "Compact region")
+
+// A quantized spec: bits, groups, symmetry.
+struct QSpec { int kb, vb, kg, vg; bool ks, vs; };
+
+// The record dequantize(quantize(x)) of one of K (part 0) / V (part 1) under spec q: what the pool
+// holds for x.
+static std::vector<float> qdq_part(const std::vector<float>& x, const QSpec& q, int part) {
+  const int D = (int)x.size(), bits = part ? q.vb : q.kb, group = part ? q.vg : q.kg;
+  const bool sym = part ? q.vs : q.ks;
+  std::vector<uint8_t> codes((size_t)D * bits / 8);
+  std::vector<uint16_t> meta(2 * (D / group));
+  std::vector<float> y(D);
+  quantize_record(x.data(), D, bits, group, sym, codes.data(), meta.data());
+  dequantize_record(codes.data(), meta.data(), D, bits, group, sym, y.data());
+  return y;
+}
+
+// Mixed case: every sequence prefilled (first call, the default op), then the full blocks marked in
+// `moved` re-quantized into the compact region (dequantize the default record, quantize with the
+// compact spec) and their table entries pointed there (id NB + compact block), then `extra` more tokens
+// per sequence in one call (returned as the case to run). full: the case with all tokens in one call
+// (the naive reference's history).
+struct Mixed {
+  Case call, full;
+  QSpec dspec, cspec;
+  std::vector<std::vector<int>> moved;  // per sequence: its logical blocks in the compact region
+};
+
+static Mixed make_mixed(int G, int D, int bs, QSpec ds, QSpec cs, bool tail, int sink, int window, float cap,
+                        bool with_sinks, const std::vector<int>& prefill, int extra, unsigned seed) {
+  std::vector<int> total;
+  for (int n : prefill) total.push_back(n + extra);
+  Mixed m;
+  m.dspec = ds, m.cspec = cs;
+  m.full = make_case(2 * G, 2, D, bs, ds.kb, ds.vb, true, tail, sink, window, cap, with_sinks, 0, total);
+  set_quant_spec(m.full, ds.kg, ds.vg, ds.ks, ds.vs);
+  Case& f = m.full;
+  const int T = f.p.T, Hkv = f.Hkv, Hq = f.Hq;
+  // first call: the prefill tokens of every sequence
+  Case pre = f;
+  std::vector<int> idx_pre, idx_new;
+  for (int t = 0; t < T; ++t) (f.pos[t] < prefill[f.seq[t]] ? idx_pre : idx_new).push_back(t);
+  auto subset = [&](Case& c, const std::vector<int>& idx) {
+    const int n = (int)idx.size();
+    c.p.T = n;
+    c.pos.clear(), c.seq.clear();
+    c.q.assign((size_t)Hq * n * D, 0.f), c.k.assign((size_t)Hkv * n * D, 0.f), c.v.assign((size_t)Hkv * n * D, 0.f);
+    for (int i = 0; i < n; ++i) {
+      const int t = idx[i];
+      c.pos.push_back(f.pos[t]), c.seq.push_back(f.seq[t]);
+      for (int h = 0; h < Hq; ++h)
+        std::copy_n(f.q.begin() + ((size_t)h * T + t) * D, D, c.q.begin() + ((size_t)h * n + i) * D);
+      for (int h = 0; h < Hkv; ++h) {
+        std::copy_n(f.k.begin() + ((size_t)h * T + t) * D, D, c.k.begin() + ((size_t)h * n + i) * D);
+        std::copy_n(f.v.begin() + ((size_t)h * T + t) * D, D, c.v.begin() + ((size_t)h * n + i) * D);
+      }
+    }
+  };
+  subset(pre, idx_pre);
+  std::vector<float> out;
+  set_isa(Isa::kScalar);
+  CHECK(run_case(pre, out) == 0, "mixed: prefill");
+  set_isa(Isa::kAuto);
+  // the compact region: the chosen full blocks (never one the second call writes into), re-quantized
+  Case& c = m.call;
+  c = pre;
+  subset(c, idx_new);
+  PagedAttnParams& p = c.p;
+  p.ck_bits = cs.kb, p.cv_bits = cs.vb, p.ck_group = cs.kg, p.cv_group = cs.vg, p.ck_sym = cs.ks, p.cv_sym = cs.vs;
+  compact_record_widths(p, &p.compact_code_width, &p.compact_scale_width);
+  const int W = p.code_width, Ws = p.scale_width, CW = p.compact_code_width, CWs = p.compact_scale_width;
+  m.moved.assign(c.S, {});
+  std::vector<std::pair<int, int>> chosen;
+  for (int s = 0; s < c.S; ++s)
+    for (int b = 0; b < prefill[s] / bs; ++b)
+      if (rng() % 5 < 3) chosen.push_back({s, b}), m.moved[s].push_back(b);
+  p.num_compact = (int)chosen.size() + 2;  // two compact blocks the table never names (random bytes)
+  c.ccodes.resize((size_t)p.num_compact * Hkv * bs * CW);
+  c.cscales.resize((size_t)p.num_compact * Hkv * bs * CWs);
+  for (auto& x : c.ccodes) x = (uint8_t)rng();
+  for (auto& x : c.cscales) x = (uint16_t)(rng() & 0x3bff);
+  std::vector<int> ids(p.num_compact);
+  for (int i = 0; i < p.num_compact; ++i) ids[i] = i;
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::vector<float> kx(D), vx(D);
+  for (size_t i = 0; i < chosen.size(); ++i) {
+    const int s = chosen[i].first, b = chosen[i].second, cid = ids[i];
+    const int64_t blk = c.table[(size_t)s * c.M + b];
+    for (int h = 0; h < Hkv; ++h)
+      for (int o = 0; o < bs; ++o) {
+        const size_t r = ((size_t)blk * Hkv + h) * bs + o, cr = ((size_t)cid * Hkv + h) * bs + o;
+        const uint8_t* rc = c.codes.data() + r * W;
+        const uint16_t* rm = c.scales.data() + r * Ws;
+        dequantize_record(rc, rm, D, ds.kb, ds.kg, ds.ks, kx.data());
+        dequantize_record(rc + D * ds.kb / 8, rm + (D / ds.kg) * (ds.ks ? 1 : 2), D, ds.vb, ds.vg, ds.vs, vx.data());
+        uint8_t* cc = c.ccodes.data() + cr * CW;
+        uint16_t* cm = c.cscales.data() + cr * CWs;
+        quantize_record(kx.data(), D, cs.kb, cs.kg, cs.ks, cc, cm);
+        quantize_record(vx.data(), D, cs.vb, cs.vg, cs.vs, cc + D * cs.kb / 8, cm + (D / cs.kg) * (cs.ks ? 1 : 2));
+      }
+    c.table[(size_t)s * c.M + b] = c.NB + cid;
+  }
+  return m;
+}
+
+// Naive dense attention of the second call's tokens over the whole history: float16 for the sink block
+// and the query's own block, the compact spec applied to the default one's values for moved blocks.
+static std::vector<float> naive_mixed(const Mixed& m) {
+  const Case& f = m.full;
+  const PagedAttnParams& p = f.p;
+  const int T = p.T, D = f.D, G = f.Hq / f.Hkv, bs = f.bs;
+  auto row = [&](const std::vector<float>& src, int h, int t) {
+    std::vector<float> x(src.begin() + ((size_t)h * T + t) * D, src.begin() + ((size_t)h * T + t + 1) * D);
+    hadamard(x.data(), D);
+    return x;
+  };
+  std::vector<float> out;
+  for (int t = 0; t < T; ++t) {
+    const int s = (int)f.seq[t], P = (int)f.pos[t];
+    bool in_call = false;
+    for (size_t i = 0; i < m.call.pos.size(); ++i) in_call |= m.call.seq[i] == s && m.call.pos[i] == P;
+    if (!in_call) continue;
+    for (int hq = 0; hq < f.Hq; ++hq) {
+      const int h = hq / G;
+      const std::vector<float> q = row(f.q, hq, t);
+      std::vector<double> logits;
+      std::vector<std::vector<float>> vals;
+      for (int u = 0; u < T; ++u) {
+        const int j = (int)f.pos[u];
+        if (f.seq[u] != s || j > P || (p.window > 0 && j <= P - p.window)) continue;
+        std::vector<float> kk = row(f.k, h, u), vv = row(f.v, h, u);
+        if ((p.sink_blocks && j < bs) || (p.fp_tail && j / bs == P / bs)) {
+          for (int i = 0; i < D; ++i) kk[i] = fp16_to_fp32(fp32_to_fp16(kk[i])), vv[i] = fp16_to_fp32(fp32_to_fp16(vv[i]));
+        } else {
+          kk = qdq_part(kk, m.dspec, 0), vv = qdq_part(vv, m.dspec, 1);
+          const auto& mv = m.moved[s];
+          if (std::find(mv.begin(), mv.end(), j / bs) != mv.end())
+            kk = qdq_part(kk, m.cspec, 0), vv = qdq_part(vv, m.cspec, 1);
+        }
+        double sc = 0;
+        for (int i = 0; i < D; ++i) sc += (double)q[i] * kk[i];
+        sc *= p.scale;
+        if (p.softcap > 0) sc = std::tanh(sc / p.softcap) * p.softcap;
+        logits.push_back(sc);
+        vals.push_back(vv);
+      }
+      double mx = -INFINITY;
+      for (double l : logits) mx = std::max(mx, l);
+      if (f.sinks[hq] > -INFINITY) mx = std::max(mx, (double)f.sinks[hq]);
+      double den = f.sinks[hq] > -INFINITY ? std::exp(f.sinks[hq] - mx) : 0.0;
+      std::vector<double> acc(D, 0.0);
+      for (size_t i = 0; i < logits.size(); ++i) {
+        const double e = std::exp(logits[i] - mx);
+        den += e;
+        for (int d = 0; d < D; ++d) acc[d] += e * vals[i][d];
+      }
+      std::vector<float> o(D);
+      for (int d = 0; d < D; ++d) o[d] = (float)(acc[d] / den);
+      hadamard(o.data(), D);
+      out.insert(out.end(), o.begin(), o.end());
+    }
+  }
+  return out;
+}
+
+// Mixed tables: every code path against the naive reference and the scalar path (pools bit-identical,
+// the compact region untouched), over default/compact spec pairs that take each way a compact run can
+// go: the default region's prepared q shared (same K width and group after widening), its own q (other
+// K group or width), widened or not, the generic path for compact blocks next to fused default ones,
+// asymmetric K (q sums per group), windows, softcap, sinks, and split-K decode.
+static void test_mixed_tables() {
+  const QSpec kDefault{8, 4, 64, 32, true, false}, kBest{7, 5, 64, 32, true, false};
+  const QSpec kCompact{4, 3, 64, 64, true, false};
+  struct Cfg { int G, D, bs; QSpec ds, cs; bool tail; int sink, window; float cap; bool sinks; std::vector<int> prefill; int extra; };
+  const std::vector<Cfg> cfgs = {
+      {3, 64, 16, kDefault, kCompact, true, 1, 0, 0.f, false, {150, 70}, 3},            // the compact tier as built
+      {2, 64, 16, kBest, kCompact, true, 1, 0, 0.f, true, {130, 40}, 2},                // both widened
+      {4, 64, 16, kDefault, {4, 2, 32, 32, true, false}, true, 1, 40, 0.f, false, {120}, 5},  // own q; wider meta
+      {2, 128, 32, {4, 4, 64, 64, true, true}, kCompact, false, 0, 0, 20.f, true, {200, 33}, 1},  // 4-bit default
+      {3, 64, 16, kDefault, {4, 3, 8, 8, true, false}, true, 1, 0, 0.f, false, {100, 50}, 4},    // generic compact
+      {1, 64, 8, kDefault, {8, 4, 32, 32, false, true}, true, 0, 0, 0.f, true, {90, 64}, 2},     // asym K, no widen
+      {4, 64, 16, kDefault, kCompact, true, 1, 0, 0.f, false, {600}, 1},                // split-K decode
+      {2, 64, 16, {5, 4, 64, 64, true, true}, {5, 2, 64, 64, true, false}, true, 1, 100, 0.f, false, {300}, 1},
+  };
+  std::vector<Isa> paths = simd_paths();
+  paths.insert(paths.begin(), Isa::kScalar);
+  for (size_t n = 0; n < cfgs.size(); ++n) {
+    const Cfg& f = cfgs[n];
+    Mixed m = make_mixed(f.G, f.D, f.bs, f.ds, f.cs, f.tail, f.sink, f.window, f.cap, f.sinks, f.prefill, f.extra,
+                         (unsigned)n);
+    size_t nmoved = 0;
+    for (const auto& v : m.moved) nmoved += v.size();
+    CHECK(nmoved > 0, "mixed case %zu moves no block", n);
+    const std::vector<float> ref = naive_mixed(m);
+    for (Isa isa : paths) {
+      set_isa(isa);
+      Case c = m.call;
+      std::vector<float> out;
+      CHECK(run_case(c, out) == 0, "mixed case %zu on %s", n, isa_name(isa));
+      CHECK(c.ccodes == m.call.ccodes && c.cscales == m.call.cscales, "mixed case %zu: compact region written", n);
+      const float e = max_rel(out, ref);
+      CHECK(e < 2e-4f, "mixed case %zu on %s vs naive: max rel err %g", n, isa_name(isa), e);
+    }
+    set_isa(Isa::kAuto);
+    check_paths_agree(m.call, "mixed table", (int)n);
+    // the same call with the moved blocks' entries pointing back to their default blocks and the compact
+    // region still passed: exactly the default op's bits (a table without compact ids reads the same)
+    if (n == 0) {
+      Mixed d = make_mixed(f.G, f.D, f.bs, f.ds, f.cs, f.tail, f.sink, f.window, f.cap, f.sinks, f.prefill, f.extra, 0);
+      Case plain = d.call, with = d.call;
+      plain.table = with.table = d.full.table;
+      plain.p.num_compact = 0, plain.ccodes.clear(), plain.cscales.clear();
+      for (Isa isa : paths) {
+        set_isa(isa);
+        Case a = plain, b = with;
+        std::vector<float> oa, ob;
+        CHECK(run_case(a, oa) == 0 && run_case(b, ob) == 0, "run");
+        CHECK(oa == ob && a.codes == b.codes && a.stage == b.stage, "%s: an unused compact region changes the result",
+              isa_name(isa));
+      }
+      set_isa(Isa::kAuto);
+    }
+  }
+}
+
+static void test_mixed_errors() {
+  Mixed m = make_mixed(2, 64, 16, {8, 4, 64, 32, true, false}, {4, 3, 64, 64, true, false}, true, 1, 0, 0.f, false,
+                       {70}, 2, 0);
+  std::vector<float> out;
+  std::string msg;
+  auto fails = [&](Case c, int want, const char* what, const char* needle) {
+    const std::vector<uint8_t> codes0 = c.codes, cc0 = c.ccodes;
+    const std::vector<uint16_t> stage0 = c.stage;
+    CHECK(run_case(c, out, &msg) == want, "%s must fail (got: %s)", what, msg.c_str());
+    CHECK(msg.find(needle) != std::string::npos, "%s: message %s", what, msg.c_str());
+    CHECK(c.codes == codes0 && c.stage == stage0 && c.ccodes == cc0, "%s: nothing written on error", what);
+  };
+  Case a = m.call;  // the new tokens' block (70, 71: logical block 4) named in the compact region
+  a.table[4] = a.NB + 1;
+  fails(a, kErrSlot, "a write slot in a compact block", "compact block");
+  Case b = m.call;
+  b.table[1] = b.NB + b.p.num_compact;  // past both regions
+  fails(b, kErrSlot, "a block id past the compact region", "compact");
+  Case c = m.call;
+  c.p.compact_code_width += 1;
+  fails(c, kErrShape, "compact widths of another spec", "compact record widths");
+  Case d = m.call;
+  d.p.ck_bits = 9;
+  fails(d, kErrShape, "compact bits 9", "compact bits");
+  Case e = m.call;
+  e.ccodes.clear();
+  fails(e, kErrShape, "no compact data", "no compact");
+  Case g = m.call;  // without a compact region, compact ids are out of range as before
+  g.p.num_compact = 0;
+  g.table[1] = g.NB;
+  fails(g, kErrSlot, "compact ids without a compact region", "pool has");
+}
+
 static void test_errors() {
   Case c = make_case(2, 1, 64, 16, 8, 4, true, true, 1, 0, 0.f, false, 0, {20});
   std::vector<uint8_t> codes0 = c.codes;
@@ -499,6 +762,8 @@ int main() {
   test_quant_paths_agree();
   test_nonfinite_query_paths_agree();
   test_negative_scales_paths_agree();
+  test_mixed_tables();
+  test_mixed_errors();
   test_errors();
   test_threads();
   test_host_pool();

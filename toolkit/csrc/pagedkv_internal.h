@@ -22,6 +22,10 @@ struct AttnContext {
   int k_group, v_group;    // resolved group sizes
   int kcb, ksc;            // K code bytes, K scale count (V follows in the record)
   bool quantized, use_sink, use_tail, rotate;
+  // The compact region of a mixed call (num_compact > 0; block ids >= num_blocks): the compact spec's
+  // resolved groups, K code bytes and K scale count
+  int num_compact = 0;
+  int ck_group = 0, cv_group = 0, ckcb = 0, cksc = 0;
   // Split-K (flash-decoding): when split > 1 the visible blocks of each (token, KV head) are cut into
   // `split` contiguous parts. part >= 0: attend over that part only and write the partial state
   // (max[G], sum[G], acc[G*D]) to partial + ((t * Hkv + h) * split + part) * partial_stride().
@@ -41,12 +45,17 @@ inline int run_capacity(int block_size) { return block_size < kMaxRunKeys ? kMax
 // The arrays of an attend call's scratch start on cache lines (floats per line)
 constexpr size_t kScratchAlignFloats = 16;
 
-// Floats of per-thread scratch one attend call needs (13 arrays, each padded to a cache line).
+// Floats of per-thread scratch one attend call needs (13 arrays, each padded to a cache line; 2 more
+// for the compact region's own prepared q and q sums in a mixed call).
 inline size_t attn_scratch_floats(const AttnContext& c) {
   const size_t D = (size_t)c.p->D, bs = (size_t)run_capacity(c.p->block_size), G = (size_t)c.G;
+  const bool compact = c.num_compact > 0;
+  const size_t Ws = (size_t)(compact && c.p->compact_scale_width > c.p->scale_width ? c.p->compact_scale_width
+                                                                                   : c.p->scale_width);
   return 2 * D + 2 * D /*unpacked codes*/ + G * bs + G * D + 2 * G + 64 + G * 32 /*q sums per K group*/ +
          4 * G * D /*prepared q*/ + 2 * G /*row ops*/ + bs * 2 * D / 4 /*a run's widened records*/ +
-         bs * (size_t)c.p->scale_width + 8 /*float meta of a run*/ + 13 * kScratchAlignFloats;
+         (compact ? 4 * G * D + G * 32 + 2 * kScratchAlignFloats : 0) /*the compact region's q*/ + bs * Ws +
+         8 /*float meta of a run*/ + 13 * kScratchAlignFloats;
 }
 
 // Attention for token t and KV head h: all G query heads of that KV head, written to out.
