@@ -28,16 +28,20 @@ _NON_FINITE = 2  # pagedkv::Status kErrNonFinite
 
 def _lib() -> ctypes.CDLL:
     lib = native.ort_kernels()
-    lib.pagedkv_call_op.restype = ctypes.c_int
-    lib.pagedkv_call_op.argtypes = [
-        ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.POINTER(ctypes.c_int64)),
-        ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.POINTER(ctypes.c_double), ctypes.c_char_p, ctypes.c_size_t,
-    ]
+    # (a library built before the mixed op has only the default entry point)
+    for fn in [lib.pagedkv_call_op] + ([lib.pagedkv_call_op_mixed] if hasattr(lib, "pagedkv_call_op_mixed") else []):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.POINTER(ctypes.c_int64)),
+            ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.POINTER(ctypes.c_double), ctypes.c_char_p,
+            ctypes.c_size_t,
+        ]
     return lib
 
 
-def call_native(lib, q, k, v, codes, scales, stage, positions, seq_ids, block_tables, sinks, *scalars):
-    """One call of the in-place op on the core: updates codes/scales/stage, returns out [1, T, Hq, D]."""
+def call_native(lib, q, k, v, codes, scales, stage, positions, seq_ids, block_tables, sinks, *scalars, compact=None):
+    """One call of the in-place op on the core: updates codes/scales/stage, returns out [1, T, Hq, D].
+    compact: (compact_codes, compact_scales) for the mixed op (scalars then end with the compact spec's 6)."""
     for name, pool in (("codes", codes), ("scales", scales), ("stage", stage)):
         if not pool.is_contiguous() or pool.device.type != "cpu":
             raise PagedKVError(f"the native op needs contiguous CPU pool tensors ({name} is not).")
@@ -50,13 +54,22 @@ def call_native(lib, q, k, v, codes, scales, stage, positions, seq_ids, block_ta
     ]
     _, hq, t, d = q.shape
     out = torch.empty((1, t, hq, d), dtype=torch.float32)
-    ptrs = (ctypes.c_void_p * 11)(*[x.data_ptr() for x in ins], out.data_ptr())
+    data = [x.data_ptr() for x in ins] + [out.data_ptr()]
+    if compact is not None:  # read only: contiguous copies are fine
+        ccodes, cscales = compact[0].contiguous(), compact[1].contiguous()
+        if ccodes.dtype != torch.uint8 or cscales.dtype != torch.float16:
+            raise PagedKVError("the native mixed op needs uint8 compact_codes and float16 compact_scales.")
+        ins += [ccodes, cscales]
+        data += [ccodes.data_ptr(), cscales.data_ptr()]
+    ptrs = (ctypes.c_void_p * len(data))(*data)
     shapes = [(ctypes.c_int64 * max(1, x.dim()))(*x.shape) for x in ins]
-    shape_ptrs = (ctypes.POINTER(ctypes.c_int64) * 10)(*[ctypes.cast(s, ctypes.POINTER(ctypes.c_int64)) for s in shapes])
-    ndims = (ctypes.c_int * 10)(*[x.dim() for x in ins])
-    vals = (ctypes.c_double * 13)(*[float(x) for x in scalars])
+    shape_ptrs = (ctypes.POINTER(ctypes.c_int64) * len(ins))(
+        *[ctypes.cast(s, ctypes.POINTER(ctypes.c_int64)) for s in shapes])
+    ndims = (ctypes.c_int * len(ins))(*[x.dim() for x in ins])
+    vals = (ctypes.c_double * len(scalars))(*[float(x) for x in scalars])
     err = ctypes.create_string_buffer(1024)
-    rc = lib.pagedkv_call_op(ptrs, shape_ptrs, ndims, _CODES_TYPE[codes.dtype], vals, err, len(err))
+    fn = lib.pagedkv_call_op if compact is None else lib.pagedkv_call_op_mixed
+    rc = fn(ptrs, shape_ptrs, ndims, _CODES_TYPE[codes.dtype], vals, err, len(err))
     if rc:
         msg = err.value.decode(errors="replace")
         raise (NonFiniteKVError if rc == _NON_FINITE else PagedKVError)(msg)
@@ -73,7 +86,12 @@ def native_op():
     def kernel(*args):
         return call_native(lib, *args)
 
+    def mixed_kernel(q, k, v, codes, scales, stage, ccodes, cscales, *rest):
+        return call_native(lib, q, k, v, codes, scales, stage, *rest, compact=(ccodes, cscales))
+
     reg.impl("quantized_paged_attention", kernel, "CPU")
+    if hasattr(lib, "pagedkv_call_op_mixed"):
+        reg.impl("quantized_paged_attention_mixed", mixed_kernel, "CPU")
     try:
         yield
     finally:
