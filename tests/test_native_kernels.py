@@ -467,3 +467,223 @@ def test_hosts_run_the_op_on_their_threads_et():
         portable_lib._unsafe_reset_threadpool(before)
         native.set_kernel_threads(lib, 0)
     assert torch.equal(outs[1], outs[2])
+
+
+# ------------------------------------------------------------------------------------------------
+# Mixed default/compact block tables (the compact tier, issue 25): the native mixed op on every code
+# path, onnxruntime's QuantizedPagedAttentionMixed and ExecuTorch's quantized_paged_attention_mixed.out
+# against the reference op (pagedkv::quantized_paged_attention_mixed's plain-PyTorch form).
+
+
+def _mixed_call(spec_name, compact, hkv=2, grp=3, d=64, bs=16, prefill=(70, 45), extra=(3, 1), window=0,
+                softcap=0.0, sinks=False, seed=0):
+    """Sequences prefilled by the reference op, then some of their full blocks moved to the compact
+    region (toolkit.quant.compact_block; the table names num_blocks + compact id), and one more call of
+    `extra` tokens per sequence: the mixed op's arguments (pools are fresh copies each time)."""
+    from toolkit.pool_layout import PoolLayout
+    from toolkit.quant import compact_block
+
+    spec = PRESETS[spec_name]
+    g = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    n_seqs, hq = len(prefill), hkv * grp
+    total = [a + b for a, b in zip(prefill, extra)]
+    width = max(math.ceil(n / bs) for n in total)
+    nd = n_seqs * width + 1
+    moved = [[c for c in range(p // bs) if rnd.random() < 0.6] for p in prefill]
+    if not any(moved):
+        moved[0] = [1]
+    nc = sum(len(m) for m in moved) + 2  # two compact blocks the table never names
+    lay = PoolLayout(spec, 1, hkv, d, bs, nd, n_seqs, compact=compact, num_compact_blocks=nc)
+    codes, scales, stage = lay.allocate_layer()
+    ccodes, cscales = lay.allocate_compact_layer()
+    ccodes.random_(0, 255, generator=g)  # garbage the table never names must not matter
+    tables = torch.randperm(nd, generator=g)[: n_seqs * width].reshape(n_seqs, width)
+    kg, vg = spec.groups(d)
+    scalars = (3, spec.k_bits, spec.v_bits, kg, vg, spec.k_sym, spec.v_sym, spec.rotate, spec.fp_tail,
+               spec.sink_blocks, d ** -0.5, window, softcap)
+    ckg, cvg = compact.groups(d)
+    cscalars = (compact.k_bits, compact.v_bits, ckg, cvg, compact.k_sym, compact.v_sym)
+    sink_logits = torch.randn(hq, generator=g) if sinks else torch.full((hq,), float("-inf"))
+    qkv = [(torch.randn(1, hq, n, d, generator=g), torch.randn(1, hkv, n, d, generator=g) * 2,
+            torch.randn(1, hkv, n, d, generator=g)) for n in total]
+    prefill_calls = []
+    for s, n in enumerate(prefill):
+        call = (*(x[:, :, :n].contiguous() for x in qkv[s]), torch.arange(n), torch.full((n,), s))
+        prefill_calls.append(call)
+        _, codes, scales, stage = reference_paged_attention(*call[:3], codes, scales, stage, *call[3:], tables,
+                                                            sink_logits, *scalars)
+    mixed = tables.clone()
+    free = iter(torch.randperm(nc, generator=g).tolist())
+    for s in range(n_seqs):
+        for col in moved[s]:
+            dst = next(free)
+            compact_block(codes, scales, ccodes, cscales, int(tables[s, col]), dst, spec, compact, d)
+            mixed[s, col] = nd + dst
+    q, k, v = (torch.cat([qkv[s][i][:, :, a:a + n] for s, (a, n) in enumerate(zip(prefill, extra))], 2)
+               for i in range(3))
+    pos = torch.cat([torch.arange(a, a + n) for a, n in zip(prefill, extra)])
+    seq = torch.cat([torch.full((n,), s) for s, n in enumerate(extra)])
+    return dict(q=q, k=k, v=v, pools=(codes, scales, stage), compact=(ccodes, cscales), positions=pos, seq_ids=seq,
+                tables=mixed, sinks=sink_logits, scalars=scalars, cscalars=cscalars, prefill_calls=prefill_calls,
+                plain_tables=tables, empty_pools=lay.allocate_layer())
+
+
+def _mixed_reference(c):
+    base = (c["q"], c["k"], c["v"], *c["pools"], c["positions"], c["seq_ids"], c["tables"], c["sinks"], *c["scalars"])
+    return reference_paged_attention(*base, compact=(*c["compact"], *c["cscalars"]))
+
+
+K4V3 = KVQuantSpec(4, 3, 64, 64, True, False, True, True, 1)  # toolkit.kv_spec.COMPACT_SPEC
+MIXED_CASES = {
+    "default+compact": dict(spec_name="default", compact=K4V3),                    # q shared (K8 g64 / K4 widened)
+    "best+compact": dict(spec_name="best", compact=K4V3, sinks=True),              # both regions widened
+    "default+k4v2g32": dict(spec_name="default", compact=KVQuantSpec(4, 2, 32, 32, True, False, True, True, 1),
+                            window=40),                                            # own q, wider scale records
+    "k4v4+compact": dict(spec_name="k4v4", compact=K4V3, grp=4, softcap=20.0),     # own q (K4 vs widened K8)
+    "default+k4av4": dict(spec_name="default", compact=KVQuantSpec(4, 4, 32, 32, False, True, True, True, 1), bs=32,
+                          prefill=(100, 70), extra=(2, 5)),                        # asym K, not widened, own q
+    "default+compact-decode": dict(spec_name="default", compact=K4V3, prefill=(300,), extra=(1,)),  # split-K
+}
+
+
+@needs_ort
+@pytest.mark.parametrize("isa", ORT_ISAS)
+@pytest.mark.parametrize("case", list(MIXED_CASES))
+def test_native_mixed_tables(case, isa):
+    """The core's mixed op (its C entry point) on each code path: the reference's output and pools (the
+    compact region only read)."""
+    from toolkit.native_op import _lib, call_native
+
+    c = _mixed_call(**MIXED_CASES[case])
+    want = _mixed_reference(c)
+    pools = [t.clone() for t in c["pools"]]
+    compact = [t.clone() for t in c["compact"]]
+    lib = _lib()
+    with forced_isa(lib, isa):
+        out = call_native(lib, c["q"], c["k"], c["v"], *pools, c["positions"], c["seq_ids"], c["tables"], c["sinks"],
+                          *c["scalars"], *c["cscalars"], compact=compact)
+    _assert_out(f"mixed {case} {isa}", out, want[0])
+    _assert_pools(f"mixed {case} {isa}", pools, want[1:])
+    assert all(torch.equal(a, b) for a, b in zip(compact, c["compact"])), "the compact region was written"
+
+
+@needs_ort
+def test_native_op_context_runs_the_mixed_op():
+    """Inside native_op() the mixed in-place op runs on the core (same bits as the C entry point)."""
+    from toolkit.native_op import native_op
+
+    c = _mixed_call(**MIXED_CASES["default+compact"])
+    want = _mixed_reference(c)
+    pools = [t.clone() for t in c["pools"]]
+    with native_op():
+        out = torch.ops.pagedkv.quantized_paged_attention_mixed(
+            c["q"], c["k"], c["v"], *pools, *c["compact"], c["positions"], c["seq_ids"], c["tables"], c["sinks"],
+            *c["scalars"], *c["cscalars"])
+    _assert_out("native_op mixed", out, want[0])
+    _assert_pools("native_op mixed", pools, want[1:])
+
+
+def _ort_mixed_session(c):
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from toolkit.paged_attention import COMPACT_SCALAR_ARG_NAMES
+
+    def info(name, x, elem=None):
+        return helper.make_tensor_value_info(name, elem or {torch.uint8: TensorProto.UINT8,
+                                                            torch.float16: TensorProto.FLOAT16,
+                                                            torch.float32: TensorProto.FLOAT,
+                                                            torch.int64: TensorProto.INT64}[x.dtype], list(x.shape))
+
+    names = ["q", "k", "v", "codes", "scales", "stage", "compact_codes", "compact_scales", "positions", "seq_ids",
+             "block_tables", "sinks"]
+    tensors = [c["q"], c["k"], c["v"], *c["pools"], *c["compact"], c["positions"], c["seq_ids"], c["tables"], c["sinks"]]
+    inputs = [info(n, x) for n, x in zip(names, tensors)]
+    t = c["q"].shape[2]
+    outputs = [info("out", torch.empty(1, t, c["q"].shape[1], c["q"].shape[3])),
+               *[info(n + "_out", x) for n, x in zip(("codes", "scales", "stage"), c["pools"])]]
+    attrs = {k: (float(v) if isinstance(v, float) else int(v))
+             for k, v in zip(SCALAR_ARG_NAMES + COMPACT_SCALAR_ARG_NAMES, c["scalars"] + c["cscalars"])}
+    node = helper.make_node("QuantizedPagedAttentionMixed", names, [o.name for o in outputs], domain="pagedkv",
+                            **attrs)
+    model = helper.make_model(helper.make_graph([node], "qpa_mixed", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("pagedkv", 1)])
+    model.ir_version = 10
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(ORT_LIB)
+    so.intra_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess, dict(zip(names, [x.numpy() for x in tensors]))
+
+
+@needs_ort
+@pytest.mark.parametrize("isa", ORT_ISAS)
+def test_ort_mixed_tables(isa):
+    c = _mixed_call(**MIXED_CASES["best+compact"])
+    want = _mixed_reference(c)
+    sess, feed = _ort_mixed_session(c)
+    with forced_isa(native.ort_kernels(), isa):
+        out, *pools = sess.run(None, feed)
+    _assert_out(f"ort mixed {isa}", out, want[0])
+    _assert_pools(f"ort mixed {isa}", [torch.from_numpy(p) for p in pools], want[1:])
+
+
+@needs_ort
+def test_ort_mixed_errors():
+    """A new token whose block is a compact one, and a compact region of another spec: clear errors."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
+
+    c = _mixed_call(**MIXED_CASES["default+compact"])
+    sess, feed = _ort_mixed_session(c)
+    tables = c["tables"].clone()
+    tables[0, 70 // 16] = c["pools"][0].shape[0]  # the block of position 70: compact block 0
+    with pytest.raises((Fail, InvalidArgument), match="maps to compact block"):
+        sess.run(None, dict(feed, block_tables=tables.numpy()))
+    c2 = dict(c, compact=(c["compact"][0][..., :-1].contiguous(), c["compact"][1]))
+    sess2, feed2 = _ort_mixed_session(c2)
+    with pytest.raises((Fail, InvalidArgument), match="compact record widths"):
+        sess2.run(None, feed2)
+
+
+class _MixedPoolModule(torch.nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        for name, x in zip(("codes", "scales", "stage", "compact_codes", "compact_scales"),
+                           (*c["empty_pools"], *c["compact"])):
+            self.register_buffer(name, x.clone())
+        self.scalars = c["scalars"] + c["cscalars"]
+
+    def forward(self, q, k, v, positions, seq_ids, block_tables, sinks):
+        out = torch.ops.pagedkv.quantized_paged_attention_mixed(
+            q, k, v, self.codes, self.scales, self.stage, self.compact_codes, self.compact_scales, positions, seq_ids,
+            block_tables, sinks, *self.scalars)
+        return out, self.codes.clone(), self.scales.clone(), self.stage.clone()
+
+
+@needs_et
+@pytest.mark.parametrize("isa", ["auto"] + ET_ISAS[:-1])
+def test_executorch_mixed_tables(isa):
+    """quantized_paged_attention_mixed.out in a .pte (pools and the compact region as buffers) on the
+    ExecuTorch runtime. A program's mutable buffers start empty (their initial values are not
+    serialized): the prefill calls run there first, with the table naming no compact block (the
+    default op's reading), then the mixed call; the compact region is a constant of the program."""
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    native.load_executorch_kernels()
+    c = _mixed_call(**MIXED_CASES["default+compact"], seed=4)
+    want = _mixed_reference(c)
+    args = (c["q"], c["k"], c["v"], c["positions"], c["seq_ids"], c["tables"], c["sinks"])
+    t = torch.export.Dim("T", min=1, max=128)
+    dyn = ({2: t}, {2: t}, {2: t}, {0: t}, {0: t}, None, None)
+    ep = torch.export.export(_MixedPoolModule(c), args, dynamic_shapes=dyn, strict=False)
+    prog = to_edge_transform_and_lower(ep).to_executorch()
+    program = Runtime.get().load_program(prog.buffer)
+    method = program.load_method("forward")
+    with forced_isa(native.load_executorch_kernels(), isa):
+        for q, k, v, pos, seq in c["prefill_calls"]:
+            method.execute([q, k, v, pos, seq, c["plain_tables"], c["sinks"]])
+        got = method.execute(list(args))
+    _assert_out(f"et mixed {isa}", got[0], want[0])
+    _assert_pools(f"et mixed {isa}", got[1:], want[1:])

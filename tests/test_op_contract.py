@@ -85,3 +85,73 @@ def test_onnx_export_declares_each_attribute(name):
     from export.onnx_export import FLOAT_ATTRS, INT_ATTRS
 
     assert (name in FLOAT_ATTRS) != (name in INT_ATTRS)
+
+
+# ---- the mixed-table op (the compact tier): the compact spec's scalars, described once as
+# COMPACT_SCALAR_ARG_NAMES after the default op's, with COMPACT_SPEC's values as the hosts' defaults
+
+def _compact_defaults():
+    from toolkit.kv_spec import COMPACT_SPEC
+
+    # ck_bits <- k_bits, ..., cv_sym <- v_sym; groups are multiples of 64 (head_dim 64: as given)
+    return {"c" + name: getattr(COMPACT_SPEC, name) for name in ("k_bits", "v_bits", "k_group", "v_group", "k_sym",
+                                                                 "v_sym")}
+
+
+def test_mixed_schema_lists_the_scalars_in_order():
+    from toolkit.paged_attention import COMPACT_SCALAR_ARG_NAMES, MIXED_INPLACE_ARGS
+
+    scalars = [m.group(2) for m in re.finditer(r"(int|float|bool) (\w+)", MIXED_INPLACE_ARGS)]
+    assert tuple(scalars) == SCALAR_ARG_NAMES + COMPACT_SCALAR_ARG_NAMES
+    assert set(_compact_defaults()) == set(COMPACT_SCALAR_ARG_NAMES)
+
+
+def test_host_header_compact_scalars():
+    from toolkit.paged_attention import COMPACT_SCALAR_ARG_NAMES
+
+    fields = _struct_fields((CSRC / "pagedkv_host.h").read_text(), "CompactScalars")
+    assert tuple(n for n, _ in fields) == COMPACT_SCALAR_ARG_NAMES
+    want = _compact_defaults()
+    for name, value in fields:
+        assert _cpp(value) == want[name], f"CompactScalars.{name} defaults to {value}"
+
+
+def test_core_params_compact_defaults():
+    fields = dict(_struct_fields((CSRC / "pagedkv_core.h").read_text(), "PagedAttnParams"))
+    for name, default in _compact_defaults().items():
+        assert _cpp(fields[name]) == default, f"PagedAttnParams.{name} defaults to {fields[name]}"
+
+
+def test_onnxruntime_host_reads_every_compact_attribute():
+    from toolkit.paged_attention import COMPACT_SCALAR_ARG_NAMES
+
+    text = (CSRC / "ort_op.cpp").read_text()
+    reads = re.findall(r"compact\.(\w+) = get[if]\(\"(\w+)\", ([\w.]+)\)", text)
+    assert tuple(field for field, _, _ in reads) == COMPACT_SCALAR_ARG_NAMES
+    want = _compact_defaults()
+    for field, attr, value in reads:
+        assert field == attr and _cpp(value) == want[field], f"ort_op.cpp: {field} read as {attr}, default {value}"
+
+
+def test_executorch_mixed_kernel_signature():
+    from toolkit.paged_attention import COMPACT_SCALAR_ARG_NAMES
+
+    text = (CSRC / "et_kernel.cpp").read_text()
+    body = text[text.index("quantized_paged_attention_mixed_out("):]
+    from toolkit.paged_attention import MIXED_INPLACE_ARGS
+
+    params = re.search(r"\((.*?)Tensor& out\)", body, re.S).group(1)
+    assert re.findall(r"Tensor& (\w+)", params) == re.findall(r"Tensor(?:\(\w!\))? (\w+)", MIXED_INPLACE_ARGS)
+    sig = re.search(r"Tensor& sinks,(.*?)Tensor& out\)", body, re.S).group(1)
+    assert tuple(re.findall(r"(?:int64_t|double|bool) (\w+)", sig)) == SCALAR_ARG_NAMES + COMPACT_SCALAR_ARG_NAMES
+    assert '"quantized_paged_attention_mixed.out", quantized_paged_attention_mixed_out' in text
+
+
+def test_c_entry_point_mixed_order():
+    from toolkit.paged_attention import COMPACT_SCALAR_ARG_NAMES
+
+    text = (CSRC / "c_call.cpp").read_text()
+    reads = re.findall(r"compact\.(\w+) = [^;]*scalars\[(\d+)\]", text)
+    assert [name for name, _ in reads] == list(COMPACT_SCALAR_ARG_NAMES)
+    n = len(SCALAR_ARG_NAMES)
+    assert [int(i) for _, i in reads] == list(range(n, n + len(COMPACT_SCALAR_ARG_NAMES)))

@@ -60,6 +60,7 @@ _lib.define(f"quantized_paged_attention({INPLACE_ARGS}) -> Tensor")
 _lib.define(f"quantized_paged_attention.out({INPLACE_ARGS}, *, Tensor(d!) out) -> Tensor(d!)")
 _lib.define(f"quantized_paged_attention_functional({FUNCTIONAL_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
 _lib.define(f"quantized_paged_attention_mixed({MIXED_INPLACE_ARGS}) -> Tensor")
+_lib.define(f"quantized_paged_attention_mixed.out({MIXED_INPLACE_ARGS}, *, Tensor(d!) out) -> Tensor(d!)")
 _lib.define(f"quantized_paged_attention_mixed_functional({MIXED_FUNCTIONAL_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
@@ -358,6 +359,11 @@ def _mixed_inplace_impl(*args):
     return out
 
 
+def _mixed_inplace_out_impl(*args, out):
+    out.copy_(_mixed_inplace_impl(*args))
+    return out
+
+
 def _mixed_functional_impl(*args):
     base, compact = _split_mixed(args)
     return reference_paged_attention(*base, compact=compact)
@@ -365,6 +371,7 @@ def _mixed_functional_impl(*args):
 
 _lib.impl("quantized_paged_attention", _inplace_impl, "CompositeExplicitAutograd")
 _lib.impl("quantized_paged_attention_mixed", _mixed_inplace_impl, "CompositeExplicitAutograd")
+_lib.impl("quantized_paged_attention_mixed.out", _mixed_inplace_out_impl, "CompositeExplicitAutograd")
 _lib.impl("quantized_paged_attention_mixed_functional", _mixed_functional_impl, "CompositeExplicitAutograd")
 _lib.impl("quantized_paged_attention.out", _inplace_out_impl, "CompositeExplicitAutograd")
 _lib.impl("quantized_paged_attention_functional", _functional_impl, "CompositeExplicitAutograd")
@@ -393,6 +400,11 @@ def _functional_fake(q, k, v, codes, scales, stage, *args):
 @torch.library.register_fake("pagedkv::quantized_paged_attention_mixed")
 def _mixed_inplace_fake(q, *args):
     return _out_like(q)
+
+
+@torch.library.register_fake("pagedkv::quantized_paged_attention_mixed.out")
+def _mixed_inplace_out_fake(q, *args, out):
+    return out
 
 
 @torch.library.register_fake("pagedkv::quantized_paged_attention_mixed_functional")

@@ -1,5 +1,7 @@
 // ExecuTorch kernel library: registers pagedkv::quantized_paged_attention.out (the in-place form:
-// codes/scales/stage are mutable buffers updated in place; `out` is [1, T, Hq, D] float32).
+// codes/scales/stage are mutable buffers updated in place; `out` is [1, T, Hq, D] float32) and
+// pagedkv::quantized_paged_attention_mixed.out (the mixed-table op of the compact tier: compact_codes and
+// compact_scales after stage, read only, and the compact spec's scalars last).
 //
 // It also remembers, per layer, where the pool tensors of the most recent successful call live
 // (pagedkv_et_pool_view): the program's mutable buffers are otherwise out of reach of a host that runs
@@ -76,12 +78,48 @@ Tensor& fail(KernelRuntimeContext& ctx, Tensor& out, const char* msg) {
   return out;
 }
 
+// Both ops (defined below the kernels): the compact tensors and scalars are null for the default op.
+Tensor& run_op(KernelRuntimeContext&, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&, Tensor&,
+               const Tensor*, const Tensor*, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+               const pagedkv::OpScalars&, const pagedkv::CompactScalars*, Tensor&);
+
 Tensor& quantized_paged_attention_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                       Tensor& codes, Tensor& scales, Tensor& stage, const Tensor& positions,
                                       const Tensor& seq_ids, const Tensor& block_tables, const Tensor& sinks,
                                       int64_t layer, int64_t k_bits, int64_t v_bits, int64_t k_group, int64_t v_group,
                                       bool k_sym, bool v_sym, bool rotate, bool fp_tail, int64_t sink_blocks,
                                       double scale, int64_t window, double softcap, Tensor& out) {
+  pagedkv::OpScalars s;
+  s.layer = layer, s.k_bits = k_bits, s.v_bits = v_bits, s.k_group = k_group, s.v_group = v_group;
+  s.k_sym = k_sym, s.v_sym = v_sym, s.rotate = rotate, s.fp_tail = fp_tail, s.sink_blocks = sink_blocks;
+  s.scale = scale, s.window = window, s.softcap = softcap;
+  return run_op(ctx, q, k, v, codes, scales, stage, nullptr, nullptr, positions, seq_ids, block_tables, sinks, s,
+                nullptr, out);
+}
+
+Tensor& quantized_paged_attention_mixed_out(
+    KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& codes, Tensor& scales,
+    Tensor& stage, const Tensor& compact_codes, const Tensor& compact_scales, const Tensor& positions,
+    const Tensor& seq_ids, const Tensor& block_tables, const Tensor& sinks, int64_t layer, int64_t k_bits,
+    int64_t v_bits, int64_t k_group, int64_t v_group, bool k_sym, bool v_sym, bool rotate, bool fp_tail,
+    int64_t sink_blocks, double scale, int64_t window, double softcap, int64_t ck_bits, int64_t cv_bits,
+    int64_t ck_group, int64_t cv_group, bool ck_sym, bool cv_sym, Tensor& out) {
+  pagedkv::OpScalars s;
+  s.layer = layer, s.k_bits = k_bits, s.v_bits = v_bits, s.k_group = k_group, s.v_group = v_group;
+  s.k_sym = k_sym, s.v_sym = v_sym, s.rotate = rotate, s.fp_tail = fp_tail, s.sink_blocks = sink_blocks;
+  s.scale = scale, s.window = window, s.softcap = softcap;
+  pagedkv::CompactScalars c;
+  c.ck_bits = ck_bits, c.cv_bits = cv_bits, c.ck_group = ck_group, c.cv_group = cv_group;
+  c.ck_sym = ck_sym, c.cv_sym = cv_sym;
+  return run_op(ctx, q, k, v, codes, scales, stage, &compact_codes, &compact_scales, positions, seq_ids, block_tables,
+                sinks, s, &c, out);
+}
+
+Tensor& run_op(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& codes,
+               Tensor& scales, Tensor& stage, const Tensor* compact_codes, const Tensor* compact_scales,
+               const Tensor& positions, const Tensor& seq_ids, const Tensor& block_tables, const Tensor& sinks,
+               const pagedkv::OpScalars& s, const pagedkv::CompactScalars* compact, Tensor& out) {
+  const int64_t layer = s.layer;
   if (q.scalar_type() != ScalarType::Float || k.scalar_type() != ScalarType::Float ||
       v.scalar_type() != ScalarType::Float || out.scalar_type() != ScalarType::Float)
     return fail(ctx, out, "pagedkv: q, k, v and out must be float32");
@@ -96,10 +134,6 @@ Tensor& quantized_paged_attention_out(KernelRuntimeContext& ctx, const Tensor& q
                                 : cst == ScalarType::Half  ? pagedkv::CodesType::kFloat16
                                 : cst == ScalarType::Float ? pagedkv::CodesType::kFloat32
                                                            : pagedkv::CodesType::kOther;
-  pagedkv::OpScalars s;
-  s.layer = layer, s.k_bits = k_bits, s.v_bits = v_bits, s.k_group = k_group, s.v_group = v_group;
-  s.k_sym = k_sym, s.v_sym = v_sym, s.rotate = rotate, s.fp_tail = fp_tail, s.sink_blocks = sink_blocks;
-  s.scale = scale, s.window = window, s.softcap = softcap;
   char err[1024] = {0};
   pagedkv::PagedAttnParams p;
   TensorDims dq(q), dk(k), dv(v), dc(codes), ds(scales), dst(stage), dp(positions), di(seq_ids), dt(block_tables),
@@ -107,6 +141,14 @@ Tensor& quantized_paged_attention_out(KernelRuntimeContext& ctx, const Tensor& q
   int rc = pagedkv::params_from_shapes(dq.dims(), dk.dims(), dv.dims(), dc.dims(), ct, ds.dims(), dst.dims(), dp.dims(),
                                        di.dims(), dt.dims(), dsk.dims(), s, &p, err, sizeof err);
   if (rc) return fail(ctx, out, err);
+  if (compact) {
+    if (compact_codes->scalar_type() != ScalarType::Byte || compact_scales->scalar_type() != ScalarType::Half)
+      return fail(ctx, out, "pagedkv: compact_codes must be uint8 and compact_scales float16");
+    TensorDims dcc(*compact_codes), dcs(*compact_scales);
+    rc = pagedkv::compact_params_from_shapes(dcc.dims(), pagedkv::CodesType::kUInt8, dcs.dims(), *compact, &p, err,
+                                             sizeof err);
+    if (rc) return fail(ctx, out, err);
+  }
   const executorch::aten::SizesType want[4] = {1, (executorch::aten::SizesType)p.T, (executorch::aten::SizesType)p.Hq,
                                                (executorch::aten::SizesType)p.D};
   if (executorch::runtime::resize_tensor(out, executorch::aten::ArrayRef<executorch::aten::SizesType>(want, 4)) !=
@@ -124,6 +166,10 @@ Tensor& quantized_paged_attention_out(KernelRuntimeContext& ctx, const Tensor& q
   b.block_tables = block_tables.const_data_ptr<int64_t>();
   b.sinks = sinks.numel() ? sinks.const_data_ptr<float>() : nullptr;
   b.out = out.mutable_data_ptr<float>();
+  if (compact) {
+    b.compact_codes = compact_codes->const_data_ptr<uint8_t>();
+    b.compact_scales = static_cast<const uint16_t*>(compact_scales->const_data_ptr());
+  }
   pagedkv::HostPool host;  // ExecuTorch's threadpool (the one XNNPACK runs the linears on)
   host.run = run_on_et_threadpool;
   rc = pagedkv::paged_attention(p, b, err, sizeof err, &host);
@@ -149,3 +195,4 @@ extern "C" __attribute__((visibility("default"))) int pagedkv_et_pool_view(int64
 }
 
 EXECUTORCH_LIBRARY(pagedkv, "quantized_paged_attention.out", quantized_paged_attention_out);
+EXECUTORCH_LIBRARY(pagedkv, "quantized_paged_attention_mixed.out", quantized_paged_attention_mixed_out);

@@ -31,6 +31,12 @@ struct OpScalars {
   double softcap = 0.0;
 };
 
+// The mixed op's compact spec (its last scalar arguments; defaults: toolkit.kv_spec.COMPACT_SPEC).
+struct CompactScalars {
+  int64_t ck_bits = 4, cv_bits = 3, ck_group = 64, cv_group = 64;
+  bool ck_sym = true, cv_sym = false;
+};
+
 inline int host_fail(char* err, size_t len, const char* fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
@@ -93,6 +99,30 @@ inline int params_from_shapes(Dims q, Dims k, Dims v, Dims codes, CodesType ct, 
   if (sinks.numel() != p.Hq && sinks.numel() != 0)
     return host_fail(err, len, "pagedkv: sinks needs Hq=%d entries (or none)", p.Hq);
   *out = p;
+  return kOk;
+}
+
+// The mixed op's compact region (after params_from_shapes): compact_codes uint8 [NC, Hkv, block_size, CW],
+// compact_scales float16 [NC, Hkv, block_size, CWs] (the caller checks the dtypes it can see).
+inline int compact_params_from_shapes(Dims ccodes, CodesType cct, Dims cscales, const CompactScalars& c,
+                                      PagedAttnParams* p, char* err, size_t len) {
+  if (cct != CodesType::kUInt8) return host_fail(err, len, "pagedkv: compact_codes must be uint8");
+  if (ccodes.n != 4 || ccodes.d[1] != p->Hkv || ccodes.d[2] != p->block_size)
+    return host_fail(err, len, "pagedkv: compact_codes must be [num_compact_blocks, Hkv=%d, block_size=%d, width]",
+                     p->Hkv, p->block_size);
+  if (cscales.n != 4 || cscales.d[0] != ccodes.d[0] || cscales.d[1] != ccodes.d[1] || cscales.d[2] != ccodes.d[2])
+    return host_fail(err, len,
+                     "pagedkv: compact_scales must be [num_compact_blocks, Hkv, block_size, scale_width] like "
+                     "compact_codes");
+  p->num_compact = (int)ccodes.d[0];
+  p->compact_code_width = (int)ccodes.d[3];
+  p->compact_scale_width = (int)cscales.d[3];
+  p->ck_bits = (int)c.ck_bits;
+  p->cv_bits = (int)c.cv_bits;
+  p->ck_group = (int)c.ck_group;
+  p->cv_group = (int)c.cv_group;
+  p->ck_sym = c.ck_sym;
+  p->cv_sym = c.cv_sym;
   return kOk;
 }
 
