@@ -107,8 +107,9 @@ inline uint64_t spread_codes(uint64_t w) {
 }
 
 // n codes of BITS bits (LSB first, n a multiple of 8) as bytes, plus `add` (no byte overflows: codes +
-// add <= 255): 8 codes per BITS bytes, one little-endian 64-bit word each (an 8-byte load, except for
-// the last 8 codes: it reads no byte past the codes)
+// add <= 255): 8 codes per BITS bytes, one little-endian 64-bit word each (an 8-byte load while 8 bytes
+// remain, then BITS single bytes: it reads no byte past the codes; with 2 or 3 bits the last two or
+// three groups)
 template <int BITS>
 inline void widen_codes_n(const uint8_t* codes, int n, uint8_t add, uint8_t* out) {
   const uint64_t adds = 0x0101010101010101ull * add;
@@ -116,15 +117,18 @@ inline void widen_codes_n(const uint8_t* codes, int n, uint8_t add, uint8_t* out
     const uint64_t x = spread_codes<BITS>(w) + adds;
     std::memcpy(o, &x, 8);
   };
+  const int nbytes = n * BITS / 8;
   int i = 0;
-  for (; i + 8 < n; i += 8, codes += BITS) {
+  for (; i + 8 < n && i * BITS / 8 + 8 <= nbytes; i += 8, codes += BITS) {
     uint64_t w;
     std::memcpy(&w, codes, 8);
     eight(w, out + i);
   }
-  uint64_t w = 0;
-  for (int b = 0; b < BITS; ++b) w |= (uint64_t)codes[b] << (8 * b);
-  eight(w, out + i);
+  for (; i < n; i += 8, codes += BITS) {
+    uint64_t w = 0;
+    for (int b = 0; b < BITS; ++b) w |= (uint64_t)codes[b] << (8 * b);
+    eight(w, out + i);
+  }
 }
 inline void widen_codes(const uint8_t* codes, int bits, int n, uint8_t add, uint8_t* out) {
   switch (bits) {
