@@ -20,6 +20,7 @@ import torch
 from onnx import helper
 
 from toolkit.compiler import FunctionalPagedModel, PagedModel
+from toolkit.manifest import LOGITS_ROWS
 from toolkit.errors import SpecError
 from toolkit.manifest import ONNX_POOL_KEY, pool_identity
 from toolkit.paged_attention import SCALAR_ARG_NAMES, reference_paged_attention
@@ -143,11 +144,12 @@ def _translate_op(q, k, v, codes, scales, stage, positions, seq_ids, block_table
 
 def io_names(num_layers: int, num_groups: int = 1) -> tuple[list[str], list[str]]:
     """Graph inputs: ids, positions, seq_ids, one block table per layer group (block_tables,
-    block_tables_1, ...; only the first for a model without sliding layers), then the pools."""
+    block_tables_1, ...; only the first for a model without sliding layers), the pools, then
+    logits_rows (the rows of the call whose logits the graph computes)."""
     from toolkit.compiler import group_table_names
 
     pools = [f"{kind}_{i}" for i in range(num_layers) for kind in ("codes", "scales", "stage")]
-    inputs = ["input_ids", "positions", "seq_ids"] + group_table_names(range(num_groups)) + pools
+    inputs = ["input_ids", "positions", "seq_ids"] + group_table_names(range(num_groups)) + pools + [LOGITS_ROWS]
     outputs = ["logits"] + [f"{p}_out" for p in pools]
     return inputs, outputs
 
@@ -166,10 +168,12 @@ def export_onnx(paged: PagedModel, path: Path, progress=None) -> dict:
     nbs = [torch.export.Dim("NB" if g == 0 else f"NB{g}", min=2) for g in range(len(groups))]
     pools = [x for trio in paged.pool_tensors() for x in trio]
     tables = [torch.zeros(layout.max_seqs, 2, dtype=torch.int64) for _ in groups]
-    example = (torch.zeros(1, 3, dtype=torch.int64), torch.arange(3), torch.zeros(3, dtype=torch.int64), *tables, *pools)
-    # the extra tables and *pools are one varargs entry
+    rows = torch.export.Dim("R", min=1)
+    example = (torch.zeros(1, 3, dtype=torch.int64), torch.arange(3), torch.zeros(3, dtype=torch.int64), *tables, *pools,
+               torch.tensor([0, 2]))
+    # the extra tables, *pools and logits_rows are one varargs entry
     pool_dims = [d for i in range(layout.num_layers) for d in _pool_dims(layout, nbs[paged.layer_group[i]])]
-    dyn = ({1: t}, {0: t}, {0: t}, {1: m}, tuple([{1: m}] * (len(groups) - 1) + pool_dims))
+    dyn = ({1: t}, {0: t}, {0: t}, {1: m}, tuple([{1: m}] * (len(groups) - 1) + pool_dims + [{0: rows}]))
     inputs, outputs = io_names(layout.num_layers, len(groups))
     t0 = time.time()
     with torch.no_grad():

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from toolkit.errors import ArtifactError, KernelLibraryMissing, PagedKVError
+from toolkit.manifest import LOGITS_ROWS
 
 if TYPE_CHECKING:  # torch (and transformers) only where a backend needs them: not for onnxruntime
     from toolkit.compiler import PagedModel
@@ -45,8 +46,10 @@ class TorchBackend:
         self.layout = paged.layout
         self.groups = paged.groups
 
-    def forward(self, ids, positions, seq_ids, tables) -> np.ndarray:
-        """tables: one [S, M] array, or a list of one per layer group."""
+    def forward(self, ids, positions, seq_ids, tables, rows=None) -> np.ndarray:
+        """tables: one [S, M] array, or a list of one per layer group. rows: the indices into this call's
+        tokens whose logits are wanted ([len(rows), vocab]; None: every token's). Every backend's forward
+        has this contract."""
         import torch
 
         tables = tables if isinstance(tables, list) else [tables]
@@ -56,6 +59,7 @@ class TorchBackend:
                 torch.from_numpy(positions),
                 torch.from_numpy(seq_ids),
                 *[torch.from_numpy(t) for t in tables],
+                logits_rows=None if rows is None else torch.as_tensor(rows, dtype=torch.int64),
             )
         return logits[0].float().numpy()
 
@@ -112,6 +116,7 @@ class OrtBackend:
         if self.native:  # 0: onnxruntime's default (one thread per physical core)
             self.kernel_threads = threads or None
         self.inputs, self.outputs = inputs, outputs
+        self.has_rows = inputs[-1] == LOGITS_ROWS
         self.set_groups(None)
 
     def set_groups(self, groups) -> None:
@@ -133,17 +138,23 @@ class OrtBackend:
             self.binding.bind_ortvalue_input(name, value)
             self.binding.bind_ortvalue_output(out_name, value)
 
-    def forward(self, ids, positions, seq_ids, tables) -> np.ndarray:
-        """tables: one [S, M] array, or a list of one per layer group."""
+    def forward(self, ids, positions, seq_ids, tables, rows=None) -> np.ndarray:
+        """tables: one [S, M] array, or a list of one per layer group; rows as TorchBackend.forward. A
+        graph with a logits_rows input computes only those rows; an older one computes all and we
+        take them."""
         b = self.binding
         b.bind_cpu_input(self.inputs[0], np.ascontiguousarray(ids[None]))
         b.bind_cpu_input(self.inputs[1], np.ascontiguousarray(positions))
         b.bind_cpu_input(self.inputs[2], np.ascontiguousarray(seq_ids))
         for name, table in zip(self.inputs[3:], tables if isinstance(tables, list) else [tables]):
             b.bind_cpu_input(name, np.ascontiguousarray(table))
+        if self.has_rows:
+            want = np.arange(len(ids), dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+            b.bind_cpu_input(LOGITS_ROWS, np.ascontiguousarray(want))
         b.bind_output(self.outputs[0], "cpu")  # logits change shape with T: let ORT allocate them
         self.session.run_with_iobinding(b)
-        return b.get_outputs()[0].numpy()[0]
+        logits = b.get_outputs()[0].numpy()[0]
+        return logits if self.has_rows or rows is None else logits[np.asarray(rows)]
 
     def pool_arrays(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         return [tuple(self.arrays[3 * i:3 * i + 3]) for i in range(self.layout.num_layers)]
@@ -203,7 +214,8 @@ class ExecuTorchBackend:
         check_pte_pool(self.module, str(pte_path), layout)
         self._pools = None  # numpy views of the program's pool buffers, known after the first step
 
-    def forward(self, ids, positions, seq_ids, tables) -> np.ndarray:
+    def forward(self, ids, positions, seq_ids, tables, rows=None) -> np.ndarray:
+        """rows as TorchBackend.forward (the .pte computes every row; we take them)."""
         if len(ids) > self.max_tokens:
             raise PagedKVError(
                 f"{len(ids)} tokens in one call, the .pte accepts at most {self.max_tokens}: lower the prefill "
@@ -220,7 +232,8 @@ class ExecuTorchBackend:
             from toolkit.native import et_pool_arrays
 
             self._pools = et_pool_arrays(self.layout, self.groups)
-        return out[0][0].numpy()
+        logits = out[0][0].numpy()
+        return logits if rows is None else logits[np.asarray(rows)]
 
     def pool_arrays(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         if self._pools is None:  # the kernels report the buffers when they first run

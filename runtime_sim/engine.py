@@ -34,8 +34,10 @@ log = logging.getLogger("pagedkv.engine")
 class Backend(Protocol):
     layout: PoolLayout
 
-    def forward(self, ids: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, tables: np.ndarray) -> np.ndarray:
-        """Run one step; returns logits [T, V] float32 and updates the pool in place."""
+    def forward(self, ids: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, tables: np.ndarray,
+                rows: np.ndarray | None = None) -> np.ndarray:
+        """Run one step; returns the logits of the tokens `rows` indexes ([len(rows), V] float32; None:
+        all T) and updates the pool in place."""
 
     def copy_block(self, src: int, dst: int) -> None: ...
 
@@ -396,16 +398,15 @@ class Engine:
             seqs += [conv.seq] * len(toks)
         bs = self.backend.layout.block_size
         width = max(-(-(self.pool.length(c.seq) + len(t)) // bs) for c, t in items)
+        last_rows = np.cumsum([len(t) for _, t in items]) - 1  # each conversation's last token in the call
         logits = self.backend.forward(
-            np.asarray(ids, np.int64), np.asarray(pos, np.int64), np.asarray(seqs, np.int64), self._tables(width)
+            np.asarray(ids, np.int64), np.asarray(pos, np.int64), np.asarray(seqs, np.int64), self._tables(width),
+            rows=last_rows,
         )
-        out, i = [], 0
         for conv, toks in items:
             self.pool.commit(conv.seq, toks)
             conv.history += toks
-            i += len(toks)
-            out.append(logits[i - 1])
-        return out
+        return list(logits)
 
     def prefill(self, cid: int, token_ids: list[int]) -> np.ndarray:
         if not token_ids:

@@ -85,6 +85,29 @@ def test_default_spec_logits_match_reference_op(quant_artifacts, backend, native
 
 
 @pytest.mark.parametrize("backend,native", BACKENDS, ids=BACKEND_IDS)
+def test_logits_of_chosen_rows_equal_those_rows_of_all(fp32_artifacts, backend, native):
+    """backend.forward(rows=...) gives those rows of the all-rows logits (the ONNX graph computes only
+    them: its logits_rows input), on a fresh pool each, for a prefill call of two sequences."""
+    family, art = fp32_artifacts
+    if backend == "onnxruntime":
+        manifest = json.loads((art / "pagedkv.json").read_text())
+        assert manifest["artifacts"]["onnx"]["inputs"][-1] == "logits_rows"
+    got = []
+    for rows in (None, np.array([4, 0, 11])):
+        engine = open_artifacts(art, backend, native=native)
+        ids = np.array(PROMPT[:12], np.int64)
+        pos = np.array(list(range(7)) + list(range(5)), np.int64)
+        seq = np.array([0] * 7 + [1] * 5, np.int64)
+        table = np.full((engine.backend.layout.max_seqs, 2), -1, np.int64)
+        table[0, 0], table[1, 0] = 0, 1
+        tables = [table] * len(engine.groups) if engine.groups else table
+        got.append(engine.backend.forward(ids, pos, seq, tables, rows=rows))
+    assert got[0].shape[0] == 12 and got[1].shape[0] == 3
+    np.testing.assert_allclose(got[1], got[0][[4, 0, 11]], rtol=0, atol=1e-4)
+    assert (got[1].argmax(-1) == got[0][[4, 0, 11]].argmax(-1)).all()
+
+
+@pytest.mark.parametrize("backend,native", BACKENDS, ids=BACKEND_IDS)
 def test_fork_copies_on_write_on_every_backend(fp32_artifacts, backend, native):
     family, art = fp32_artifacts
     engine = open_artifacts(art, backend, native=native, prefill_chunk=16)

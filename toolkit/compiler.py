@@ -204,7 +204,9 @@ class PagedModel(nn.Module):
             for t in tensors:
                 t.zero_()
 
-    def run(self, input_ids, positions, seq_ids, tables, pools, functional: bool):
+    def run(self, input_ids, positions, seq_ids, tables, pools, functional: bool, logits_rows=None):
+        """logits_rows: indices into this call's T tokens whose logits are computed (the head, Gemma's
+        262144 x 640 one a quarter of a prefill's time, runs on those rows only); None: every row."""
         if len(tables) != len(self.groups):
             raise UnsupportedModelError(
                 f"{len(tables)} block table(s) given, the model has {len(self.groups)} layer group(s): pass one per group."
@@ -212,19 +214,23 @@ class PagedModel(nn.Module):
         windows = tuple(g.window for g in self.groups)
         ctx = PagedContext(self.layout, pools, positions, seq_ids, list(tables), self.layer_group, windows, functional)
         out = self.hf(
-            input_ids=input_ids, position_ids=positions[None], use_cache=False, pagedkv=ctx, return_dict=True
+            input_ids=input_ids, position_ids=positions[None], use_cache=False, pagedkv=ctx, return_dict=True,
+            logits_to_keep=0 if logits_rows is None else logits_rows,
         )
         return out.logits, ctx
 
-    def forward(self, input_ids, positions, seq_ids, block_tables, *more_tables):
+    def forward(self, input_ids, positions, seq_ids, block_tables, *more_tables, logits_rows=None):
         tables = (block_tables, *more_tables)
-        logits, _ = self.run(input_ids, positions, seq_ids, tables, self.pool_tensors(), functional=False)
+        logits, _ = self.run(input_ids, positions, seq_ids, tables, self.pool_tensors(), functional=False,
+                             logits_rows=logits_rows)
         return logits
 
 
 class FunctionalPagedModel(nn.Module):
-    """Pools as explicit inputs and outputs (for ONNX): forward(ids, pos, seq, tables, *more_tables, *pools)
-    -> (logits, *pools); one table per layer group."""
+    """Pools as explicit inputs and outputs (for ONNX): forward(ids, pos, seq, tables, *more_tables, *pools,
+    logits_rows) -> (logits [1, R, V], *pools); one table per layer group, logits for the R rows
+    logits_rows names (indices into the call's tokens: the last one of each sequence in a chat, all of
+    them for teacher-forced evaluation)."""
 
     def __init__(self, paged: PagedModel):
         super().__init__()
@@ -233,9 +239,10 @@ class FunctionalPagedModel(nn.Module):
     def forward(self, input_ids, positions, seq_ids, block_tables, *rest):
         n = self.paged.layout.num_layers
         g = len(self.paged.groups) - 1
-        tables, pools = (block_tables, *rest[:g]), rest[g:]
+        tables, pools, logits_rows = (block_tables, *rest[:g]), rest[g:g + 3 * n], rest[g + 3 * n]
         grouped = [tuple(pools[3 * i : 3 * i + 3]) for i in range(n)]
-        logits, ctx = self.paged.run(input_ids, positions, seq_ids, tables, grouped, functional=True)
+        logits, ctx = self.paged.run(input_ids, positions, seq_ids, tables, grouped, functional=True,
+                                     logits_rows=logits_rows)
         flat = [t for i in range(n) for t in ctx.new_pools[i]]
         return (logits, *flat)
 

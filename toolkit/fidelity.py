@@ -232,8 +232,8 @@ def spec_name(spec) -> str:
 
 
 class _KeepLogits:
-    """The engine's backend, keeping every call's logits [T, vocab]: the engine hands on only each
-    call's last row (what a chat needs), teacher forcing needs them all."""
+    """The engine's backend, keeping every call's logits [T, vocab]: the engine asks for each
+    conversation's last row only (what a chat needs), teacher forcing needs them all."""
 
     def __init__(self, backend):
         self.inner = backend
@@ -242,10 +242,10 @@ class _KeepLogits:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def forward(self, ids, positions, seq_ids, tables):
+    def forward(self, ids, positions, seq_ids, tables, rows=None):
         out = self.inner.forward(ids, positions, seq_ids, tables)
         self.calls.append(out)
-        return out
+        return out if rows is None else out[rows]
 
 
 class ArtifactRow:

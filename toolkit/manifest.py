@@ -46,6 +46,9 @@ PINNED_PACKAGES = ("pagedkv", "torch", "executorch", "onnxruntime")
 RECORDED_PACKAGES = PINNED_PACKAGES + ("onnx", "transformers")
 # The ONNX metadata key holding the graph's pool identity (pool_identity()).
 ONNX_POOL_KEY = "pagedkv_pool"
+# The ONNX graph's last input when it computes logits only for the rows named there (indices into the
+# call's tokens); graphs exported before it compute every row.
+LOGITS_ROWS = "logits_rows"
 # The .pte's constant method returning the same JSON as uint8 codes.
 PTE_POOL_METHOD = "pagedkv_pool"
 _MODEL_INTS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
