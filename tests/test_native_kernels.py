@@ -687,3 +687,52 @@ def test_executorch_mixed_tables(isa):
         got = method.execute(list(args))
     _assert_out(f"et mixed {isa}", got[0], want[0])
     _assert_pools(f"et mixed {isa}", got[1:], want[1:])
+
+
+COMPACT_CANDIDATES = [K4V3, KVQuantSpec(5, 2, 64, 64, True, False, True, True, 1),
+                      KVQuantSpec(4, 2, 32, 32, True, False, True, True, 1),
+                      KVQuantSpec(3, 3, 32, 32, False, False, True, True, 1),
+                      KVQuantSpec(4, 3, 16, 16, True, True, True, True, 1)]
+
+
+@needs_ort
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    spec=st.sampled_from(["default", "best", "k5v4"]),
+    compact=st.sampled_from(COMPACT_CANDIDATES),
+    hkv=st.sampled_from([1, 2]),
+    grp=st.sampled_from([1, 3, 4]),
+    d=st.sampled_from([64, 128]),
+    bs=st.sampled_from([16, 32]),
+    blocks=st.lists(st.integers(2, 5), min_size=1, max_size=2),
+    extra=st.integers(1, 4),
+    window=st.sampled_from([0, 0, 40]),
+    softcap=st.sampled_from([0.0, 0.0, 15.0]),
+    sinks=st.booleans(),
+    seed=st.integers(0, 1000),
+    isa=st.sampled_from(ORT_ISAS),
+)
+def test_native_mixed_random(spec, compact, hkv, grp, d, bs, blocks, extra, window, softcap, sinks, seed, isa):
+    """Random mixed tables (spec pairs, shapes, windows, softcap, sinks) on a random code path: the
+    reference's output and pools."""
+    from hypothesis import assume
+
+    from toolkit.errors import SpecError
+    from toolkit.kv_spec import check_compact
+    from toolkit.native_op import _lib, call_native
+
+    try:
+        check_compact(PRESETS[spec], compact, d)
+    except SpecError:
+        assume(False)
+    prefill = tuple(b * bs + seed % bs for b in blocks)
+    c = _mixed_call(spec, compact, hkv=hkv, grp=grp, d=d, bs=bs, prefill=prefill, extra=(extra,) * len(prefill),
+                    window=window, softcap=softcap, sinks=sinks, seed=seed)
+    want = _mixed_reference(c)
+    pools = [t.clone() for t in c["pools"]]
+    lib = _lib()
+    with forced_isa(lib, isa):
+        out = call_native(lib, c["q"], c["k"], c["v"], *pools, c["positions"], c["seq_ids"], c["tables"], c["sinks"],
+                          *c["scalars"], *c["cscalars"], compact=c["compact"])
+    _assert_out(f"mixed random {isa}", out, want[0])
+    _assert_pools(f"mixed random {isa}", pools, want[1:])
