@@ -38,7 +38,7 @@ import torch
 from toolkit.compiler import PagedModel, group_table_names
 from export.artifacts import PTE_WEIGHTS
 from toolkit.errors import PagedKVError
-from toolkit.manifest import PTE_POOL_METHOD, pool_identity
+from toolkit.manifest import LOGITS_ROWS, PTE_POOL_METHOD, pool_identity
 
 POOL_BUFFER_PREFIXES = ("codes_", "scales_", "stage_")
 ASYM_WEIGHTS = "8da4w-asym-e8h8"  # one of export.artifacts.PTE_WEIGHTS
@@ -282,12 +282,16 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
     # one block table per layer group (the first alone for a model without sliding layers)
     tables = [torch.zeros(layout.max_seqs, 2, dtype=torch.int64) for _ in paged.groups]
     example = (torch.zeros(1, 2, dtype=torch.int64), torch.arange(2), torch.zeros(2, dtype=torch.int64), *tables)
-    dyn = ({1: t}, {0: t}, {0: t}, {1: m})
+    names = ["input_ids", "positions", "seq_ids", "block_tables"]
+    dyn = dict(zip(names, ({1: t}, {0: t}, {0: t}, {1: m})))
     if len(tables) > 1:  # *more_tables: one varargs entry (none at all for one table, as before groups)
-        dyn += (tuple({1: m} for _ in tables[1:]),)
+        dyn["more_tables"] = tuple({1: m} for _ in tables[1:])
+    # logits_rows: the rows of the call whose logits the program computes (the program's last input)
+    dyn[LOGITS_ROWS] = {0: torch.export.Dim("R", min=1, max=max_tokens)}
     t0 = time.time()
     with torch.no_grad():
-        exported = torch.export.export(paged, example, dynamic_shapes=dyn, strict=False)
+        exported = torch.export.export(paged, example, kwargs={LOGITS_ROWS: torch.tensor([0, 1])},
+                                       dynamic_shapes=dyn, strict=False)
     if progress:
         progress(f"torch.export done in {time.time() - t0:.0f}s; lowering to XNNPACK")
     t0 = time.time()
@@ -309,7 +313,7 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
     return {
         "file": path.name,
         "weights": weights,
-        "inputs": ["input_ids", "positions", "seq_ids"] + group_table_names(paged.groups),
+        "inputs": ["input_ids", "positions", "seq_ids"] + group_table_names(paged.groups) + [LOGITS_ROWS],
         "outputs": ["logits"],
         "max_tokens_per_call": max_tokens,
         "max_blocks_per_seq": max_blocks,

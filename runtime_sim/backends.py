@@ -207,6 +207,7 @@ class ExecuTorchBackend:
         self.layout = layout
         self.groups = groups  # the manifest's layer groups (one block table each), None: one global group
         self.max_tokens = int(entry.get("max_tokens_per_call", 64))
+        self.has_rows = entry.get("inputs", [None])[-1] == LOGITS_ROWS
         try:
             self.module = portable_lib._load_for_executorch(str(pte_path))
         except Exception as e:  # the runtime raises RuntimeError with its own error code on a damaged file
@@ -215,7 +216,8 @@ class ExecuTorchBackend:
         self._pools = None  # numpy views of the program's pool buffers, known after the first step
 
     def forward(self, ids, positions, seq_ids, tables, rows=None) -> np.ndarray:
-        """rows as TorchBackend.forward (the .pte computes every row; we take them)."""
+        """rows as TorchBackend.forward: a program with a logits_rows input computes only those rows;
+        an older one computes all and we take them."""
         if len(ids) > self.max_tokens:
             raise PagedKVError(
                 f"{len(ids)} tokens in one call, the .pte accepts at most {self.max_tokens}: lower the prefill "
@@ -224,16 +226,18 @@ class ExecuTorchBackend:
         import torch
 
         tables = tables if isinstance(tables, list) else [tables]
-        out = self.module.forward(
-            (torch.from_numpy(ids)[None], torch.from_numpy(positions), torch.from_numpy(seq_ids),
-             *[torch.from_numpy(t) for t in tables])
-        )
+        inputs = [torch.from_numpy(ids)[None], torch.from_numpy(positions), torch.from_numpy(seq_ids),
+                  *[torch.from_numpy(t) for t in tables]]
+        if self.has_rows:
+            want = np.arange(len(ids), dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+            inputs.append(torch.from_numpy(np.ascontiguousarray(want)))
+        out = self.module.forward(tuple(inputs))
         if self._pools is None:
             from toolkit.native import et_pool_arrays
 
             self._pools = et_pool_arrays(self.layout, self.groups)
         logits = out[0][0].numpy()
-        return logits if rows is None else logits[np.asarray(rows)]
+        return logits if self.has_rows or rows is None else logits[np.asarray(rows)]
 
     def pool_arrays(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         if self._pools is None:  # the kernels report the buffers when they first run

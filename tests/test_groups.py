@@ -230,7 +230,7 @@ def test_pte_greedy_equals_hf_with_group_tables(tmp_path):
     sliding = window_blocks_needed(W, BS, 16)
     paged = compile(tiny_model("gemma3"), "fp32", num_blocks=8, max_seqs=1, sliding_blocks=sliding)
     entry = export_pte(paged, tmp_path / "model.pte", max_tokens=16)
-    assert entry["inputs"] == ["input_ids", "positions", "seq_ids", "block_tables", "block_tables_1"]
+    assert entry["inputs"] == ["input_ids", "positions", "seq_ids", "block_tables", "block_tables_1", "logits_rows"]
     backend = ExecuTorchBackend(tmp_path / "model.pte", paged.layout, entry, groups=paged.groups)
     e = Engine(backend, prefill_chunk=16)
     c = e.new_conversation()

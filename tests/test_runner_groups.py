@@ -99,7 +99,8 @@ def test_grouped_runner_greedy_equals_hf_and_sliding_blocks_return(host_cli, exp
     family, window, art, ref = exported
     man = json.loads((art / "pagedkv.json").read_text())
     groups = man["groups"]
-    assert man["artifacts"]["pte"]["inputs"][3:] == ["block_tables"] + [f"block_tables_{g}" for g in range(1, len(groups))]
+    assert man["artifacts"]["pte"]["inputs"][3:] == ["block_tables"] + [f"block_tables_{g}" for g in range(1, len(groups))] + \
+        ["logits_rows"]
     p = run_cli(host_cli, art, prompt[0], "--json")
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
@@ -215,7 +216,7 @@ def _other_tables(man):
     else:
         man["groups"] = [dict(groups[0], layers=[i]) for i in range(n)]
     man["artifacts"]["pte"]["inputs"] = ["input_ids", "positions", "seq_ids", "block_tables"] + \
-        [f"block_tables_{g}" for g in range(1, len(man["groups"]))]
+        [f"block_tables_{g}" for g in range(1, len(man["groups"]))] + ["logits_rows"]
 
 
 @pytest.mark.parametrize("change,needles", [
@@ -224,8 +225,8 @@ def _other_tables(man):
     (_drop_groups, {"gemma3": "block table", "gemma2": "block table", "mistral": "codes tensor"}),
     (_grow_sliding_group, {"gemma3": "codes tensor", "gemma2": "codes tensor", "mistral": "codes tensor"}),
     (_empty_or_short_group, {"gemma3": "without layers", "gemma2": "leaves layer 2 out", "mistral": "leaves layer 1 out"}),
-    (_other_tables, {"gemma3": "takes 5 inputs (2 block table(s))", "gemma2": "takes 5 inputs (2 block table(s))",
-                     "mistral": "takes 4 inputs (1 block table(s))"}),
+    (_other_tables, {"gemma3": "takes 6 inputs (2 block table(s))", "gemma2": "takes 6 inputs (2 block table(s))",
+                     "mistral": "takes 5 inputs (1 block table(s))"}),
 ])
 def test_groups_entry_inconsistent_with_the_pte_is_one_line_exit_2(host_cli, exported, prompt, tmp_path, change,
                                                                    needles):

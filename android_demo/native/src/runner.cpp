@@ -91,6 +91,8 @@ struct Runner::Impl {
   ConvSpec conv_spec;
   uint32_t codes_itemsize = 1, code_bytes = 0, scale_bytes = 0;
   bool has_stage = false;
+  bool has_logits_rows = false;  // the program's last input selects the rows of the logits
+  int manifest_logits_rows = -1;  // the manifest's .pte inputs end with logits_rows (1), do not (0), unlisted (-1)
   bool ran_step = false;  // this runner's program has run: the kernels' pool views can be its own
   // memory
   std::vector<std::unique_ptr<Arena>> arenas;  // index i = memory id i + 1 (0: activations)
@@ -446,12 +448,15 @@ struct Runner::Impl {
     for (size_t g = 0; g < groups.size(); ++g)
       for (int i : groups[g].layers) layer_group[static_cast<size_t>(i)] = static_cast<int>(g);
     peak_used.assign(groups.size(), 0);
-    // the artifact's input names: input_ids, positions, seq_ids, block_tables, block_tables_1, ...
+    // the artifact's input names: input_ids, positions, seq_ids, block_tables, block_tables_1, ..., then
+    // logits_rows (absent in programs exported before it)
     if (const Json* in = pte.find("inputs")) {
       std::vector<std::string> want = {"input_ids", "positions", "seq_ids", "block_tables"};
       for (size_t g = 1; g < groups.size(); ++g) want.push_back("block_tables_" + std::to_string(g));
       std::vector<std::string> have;
       for (const Json& x : in->items()) have.push_back(x.is_string() ? x.as_string() : "?");
+      manifest_logits_rows = !have.empty() && have.back() == "logits_rows" ? 1 : 0;
+      if (manifest_logits_rows) have.pop_back();
       if (have != want)
         throw RunnerError(ErrorCode::kArtifact,
                           dir + "/pagedkv.json describes " + std::to_string(groups.size()) + " layer group(s) (" +
@@ -538,10 +543,14 @@ struct Runner::Impl {
       throw RunnerError(ErrorCode::kArtifact, pte + " plans " + std::to_string(nbuf) + " memory arenas, the manifest " +
                                                   "implies " + std::to_string(want) +
                                                   " (activations + one per pool group): re-export the artifacts.");
-    if (meta->num_inputs() != 3 + groups.size())
+    // ids, positions, seq_ids, one block table per group, then logits_rows (programs exported before it
+    // compute every row's logits); the manifest's input names say which, else the count does
+    has_logits_rows = manifest_logits_rows >= 0 ? manifest_logits_rows == 1 : meta->num_inputs() == 4 + groups.size();
+    const size_t extra = has_logits_rows ? 1 : 0;
+    if (meta->num_inputs() != 3 + groups.size() + extra)
       throw RunnerError(ErrorCode::kArtifact,
                         pte + " takes " + std::to_string(meta->num_inputs()) + " inputs (" +
-                            std::to_string(meta->num_inputs() >= 3 ? meta->num_inputs() - 3 : 0) +
+                            std::to_string(meta->num_inputs() >= 3 + extra ? meta->num_inputs() - 3 - extra : 0) +
                             " block table(s)), but pagedkv.json describes " + std::to_string(groups.size()) +
                             " layer group(s), one block table each: the groups entry and the program disagree; "
                             "re-run `pagedkv export`.");
@@ -624,6 +633,9 @@ struct Runner::Impl {
       t_tabs.push_back(make_tensor_ptr({max_seqs, width}, t.data(), ScalarType::Long));
       inputs.emplace_back(*t_tabs.back());
     }
+    int64_t last_row = T - 1;  // the LM head runs on the call's last token only
+    auto t_rows = make_tensor_ptr({1}, &last_row, ScalarType::Long);
+    if (has_logits_rows) inputs.emplace_back(*t_rows);
     auto res = module->forward(inputs);
     if (!res.ok()) {
       // the kernel checks its inputs before writing: the blocks reserved for this call are unused
@@ -637,7 +649,8 @@ struct Runner::Impl {
     const auto& out = res.get()[0].toTensor();
     const int V = static_cast<int>(out.size(out.dim() - 1));
     const float* data = out.const_data_ptr<float>();
-    return std::vector<float>(data + static_cast<size_t>(T - 1) * V, data + static_cast<size_t>(T) * V);
+    const size_t row = has_logits_rows ? 0 : static_cast<size_t>(T - 1);
+    return std::vector<float>(data + row * V, data + (row + 1) * V);
   }
 
   Conv& conv(int id) {
