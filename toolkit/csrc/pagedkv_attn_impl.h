@@ -153,6 +153,11 @@ template <class T>
 struct RunKeys<T, std::void_t<decltype(T::kRunKeys)>> : std::integral_constant<int, T::kRunKeys> {};
 
 template <class T, class = void>
+struct HasWiden : std::false_type {};
+template <class T>
+struct HasWiden<T, std::void_t<decltype(&T::widen)>> : std::true_type {};
+
+template <class T, class = void>
 struct CentredAsym : std::false_type {};
 template <class T>
 struct CentredAsym<T, std::void_t<decltype(T::kCentredAsym)>> : std::integral_constant<bool, T::kCentredAsym> {};
@@ -287,10 +292,18 @@ struct Attend {
       return sym || CentredAsym<Ops>::value ? (uint8_t)(128 - (1 << (bits - 1))) : (uint8_t)0;
     };
     const uint8_t kadd = add(R.k_bits, R.k_sym), vadd = add(R.v_bits, R.v_sym);
+    // Ops::widen (optional): the same bytes by the path's own vector instructions
+    const auto widen = [](const uint8_t* codes, int bits, int n, uint8_t a, uint8_t* out) {
+      if constexpr (HasWiden<Ops>::value) {
+        Ops::widen(codes, bits, n, a, out);
+      } else {
+        widen_codes(codes, bits, n, a, out);
+      }
+    };
     for (int i = 0; i < n; ++i) {
       uint8_t* dst = wide + (size_t)i * 2 * D;
-      widen_codes(recs[i], R.k_bits, D, kadd, dst);
-      widen_codes(recs[i] + R.kcb, R.v_bits, D, vadd, dst + D);
+      widen(recs[i], R.k_bits, D, kadd, dst);
+      widen(recs[i] + R.kcb, R.v_bits, D, vadd, dst + D);
       recs[i] = dst;
     }
   }

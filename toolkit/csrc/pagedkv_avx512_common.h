@@ -1,4 +1,5 @@
-// AVX-512 helpers shared by the K and V passes: fp16 loads, prefetch, lane masks, key-row loads/stores.
+// AVX-512 helpers shared by the K and V passes: fp16 loads, prefetch, lane masks, key-row loads/stores,
+// widening of code widths other than 8/4 (VBMI).
 // Part of the AVX-512 attention paths: included only by pagedkv_core_avx512.cpp (compiled with the
 // AVX-512 flags), hence the unnamed namespace.
 #pragma once
@@ -41,6 +42,43 @@ inline void store_keys(float* x, __mmask16 k, __m512 v) {
     _mm512_storeu_ps(x, v);
   } else {
     _mm512_mask_storeu_ps(x, k, v);
+  }
+}
+
+// impl::widen_codes with AVX-512 VBMI, 64 codes (8 BITS bytes) per step: a masked load (no byte past the
+// codes), vpermb gives each group of 8 codes its own qword (source bytes 8-code group * BITS ..  + 7),
+// vpmultishiftqb takes code k from bit k * BITS of its qword, then and + add. n a multiple of 8.
+template <int BITS>
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) void widen_vbmi_n(const uint8_t* codes, int n, uint8_t add,
+                                                                          uint8_t* out) {
+  alignas(64) uint8_t idx[64];
+  for (int j = 0; j < 8; ++j)
+    for (int i = 0; i < 8; ++i) idx[8 * j + i] = (uint8_t)(j * BITS + i);
+  uint64_t shifts = 0;
+  for (int k = 0; k < 8; ++k) shifts |= (uint64_t)(k * BITS) << (8 * k);
+  const __m512i vidx = _mm512_load_si512(idx), vsh = _mm512_set1_epi64((long long)shifts);
+  const __m512i mask = _mm512_set1_epi8((char)((1 << BITS) - 1)), vadd = _mm512_set1_epi8((char)add);
+  for (int i = 0; i < n; i += 64, codes += 8 * BITS) {
+    const int m = n - i < 64 ? n - i : 64;  // codes of this step
+    const __mmask64 lmask = _cvtu64_mask64(m * BITS / 8 >= 64 ? ~0ull : (1ull << (m * BITS / 8)) - 1);
+    const __mmask64 smask = _cvtu64_mask64(m >= 64 ? ~0ull : (1ull << m) - 1);
+    const __m512i src = _mm512_maskz_loadu_epi8(lmask, codes);
+    const __m512i x = _mm512_multishift_epi64_epi8(vsh, _mm512_permutexvar_epi8(vidx, src));
+    _mm512_mask_storeu_epi8(out + i, smask, _mm512_add_epi8(_mm512_and_si512(x, mask), vadd));
+  }
+}
+
+inline void widen_avx512(const uint8_t* codes, int bits, int n, uint8_t add, uint8_t* out) {
+  static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
+  if (!vbmi) return impl::widen_codes(codes, bits, n, add, out);
+  switch (bits) {
+    case 2: return widen_vbmi_n<2>(codes, n, add, out);
+    case 3: return widen_vbmi_n<3>(codes, n, add, out);
+    case 4: return widen_vbmi_n<4>(codes, n, add, out);
+    case 5: return widen_vbmi_n<5>(codes, n, add, out);
+    case 6: return widen_vbmi_n<6>(codes, n, add, out);
+    case 7: return widen_vbmi_n<7>(codes, n, add, out);
+    default: return impl::widen_codes(codes, bits, n, add, out);
   }
 }
 

@@ -98,6 +98,9 @@ struct Avx512Ops {
   static constexpr int kRunKeys = kRK;  // runs of several blocks (QuantRun::rec)
 
   static bool use_vnni(int k_bits, int k_group) { return VNNI && vnni_scores_apply(k_bits, k_group); }
+  static void widen(const uint8_t* codes, int bits, int n, uint8_t add, uint8_t* out) {
+    widen_avx512(codes, bits, n, add, out);
+  }
 
   static void q_scores(const QuantRun& r, const float* q, const float* qsum, int G, float scale, float* sc, int ldsc) {
     // the run's fp16 scales/zeros as float32, the segments back to back (v_accum reuses them)
