@@ -84,13 +84,10 @@ class ChunkedLinear(torch.nn.Module):
         # x itself for a single chunk: a slice of all columns would export as a copy outside XNNPACK
         return x if width == x.shape[-1] else x[..., start:start + width]
 
-    def _piece(self, i: int, xc: torch.Tensor) -> torch.Tensor:
-        return self.pieces[i](xc)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, start = None, 0
         for i, width in enumerate(self.widths):
-            part = self._piece(i, self._cols(x, start, width))
+            part = self.pieces[i](self._cols(x, start, width))
             y = part if y is None else y + part
             start += width
         return y if self.bias is None else y + self.bias
@@ -98,12 +95,13 @@ class ChunkedLinear(torch.nn.Module):
 
 class AsymInt4Linear(ChunkedLinear):
     """y = x W^T with W stored as asymmetric 4-bit blocks (scale s, zero point zp per `group` inputs),
-    run on XNNPACK's symmetric int4 kernel (qb4w): s*(q - zp) = s*(q - 8) + s*(8 - zp), so per chunk
-    of inputs (ChunkedLinear: one int8 activation scale per chunk)
+    run on XNNPACK's symmetric int4 kernel (qb4w): s*(q - zp) = s*(q - 8) + s*(8 - zp), so
 
-        y += 8da4w(x_c; codes q - 8, scale s) + (x_c @ Ind^T) @ offsets_c^T,  offsets[n, b] = s*(8 - zp)
+        y = sum_c 8da4w(x_c; codes q - 8, scale s) + (x @ Ind^T) @ offsets^T,  offsets[n, b] = s*(8 - zp)
 
-    Ind [chunk/group, chunk] is 0/1 (x_c @ Ind^T sums each block of x_c), both small linears fp32 on
+    with one 8da4w linear per chunk x_c of inputs (ChunkedLinear: one int8 activation scale per chunk)
+    and the offsets once over all K inputs: Ind [K/group, K] is 0/1 (x @ Ind^T sums each block of x),
+    two linears per module (per chunk they were 2/3 of the graph's linear nodes), both small linears fp32 on
     XNNPACK (1/group of the int4 work each; a reshape + sum instead would leave XNNPACK, whose reshapes
     take no dynamic token count, and split its partitions). Left out when every offset is 0 (a
     Q4_0-style grid). XNNPACK stores the scales as bf16: s is rounded to bf16 here so the eager module
@@ -139,20 +137,59 @@ class AsymInt4Linear(ChunkedLinear):
         super().__init__(pieces, bias)
         self.group, self.nb, self.exact_blocks = group, k // group, exact
         offsets = (s * (8 - torch.from_numpy(zp).reshape(n, self.nb))).float()
-        self.offsets = None
+        self.offsets = self.indicator = None
         if offsets.any():
-            per = c // group
-            self.offsets = torch.nn.ParameterList(
-                [torch.nn.Parameter(offsets[:, j:j + per].contiguous(), requires_grad=False)
-                 for j in range(0, self.nb, per)])
-            ind = (torch.arange(c)[None, :] // group == torch.arange(per)[:, None]).float()
+            self.offsets = torch.nn.Parameter(offsets.contiguous(), requires_grad=False)
+            ind = (torch.arange(k)[None, :] // group == torch.arange(self.nb)[:, None]).float()
             self.indicator = torch.nn.Parameter(ind, requires_grad=False)
 
-    def _piece(self, i: int, xc: torch.Tensor) -> torch.Tensor:
-        part = self.pieces[i](xc)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the block offsets over all K inputs at once (fp32): two linears, not two per activation chunk
+        y = super().forward(x)
         if self.offsets is None:
-            return part
-        return part + torch.nn.functional.linear(torch.nn.functional.linear(xc, self.indicator), self.offsets[i])
+            return y
+        return y + torch.nn.functional.linear(torch.nn.functional.linear(x, self.indicator), self.offsets)
+
+
+class _SharedInput:
+    """What the parts of one fused linear share: the input they were last called with and its product
+    (plain attributes, not module state: torch.export refuses tensors assigned to modules in forward)."""
+
+    def __init__(self, fused: torch.nn.Module, n_parts: int):
+        self.fused, self.n_parts = fused, n_parts
+        self.x = self.y = None
+        self.left: set = set()
+
+
+class LinearPart(torch.nn.Module):
+    """Output columns [start, stop) of a linear fused from sibling projections of one input (q/k/v,
+    gate/up). The first part called with an input computes the fused product; the other parts called
+    with that same tensor take their columns of it. A part called with any other input computes the
+    product for it: the result never depends on call order, only the work does. Fusing keeps every
+    number (the same int8 activation scale per chunk of the shared input, the same weights) and divides
+    the graph's linear nodes, whose count sets the export's time (torch.export + XNNPACK lowering run
+    every node through fake tensors in some 25 passes)."""
+
+    def __init__(self, shared: _SharedInput, index: int, start: int, stop: int):
+        super().__init__()
+        if index == 0:
+            self.fused = shared.fused  # registered once, under the first part
+        self.shared, self.index, self.start, self.stop = shared, index, start, stop
+        self.in_features, self.out_features = sum(shared.fused.widths), stop - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sh = self.shared
+        if sh.x is not x or self.index not in sh.left:
+            sh.x, sh.y, sh.left = x, sh.fused(x), set(range(sh.n_parts))
+        sh.left.discard(self.index)
+        y = sh.y[..., self.start:self.stop].contiguous()  # callers .view() it
+        if not sh.left:
+            sh.x = sh.y = None
+        return y
+
+
+# sibling projections that read the same input, fused into one linear (Llama, Qwen, Mistral, Gemma names)
+FUSE_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def _int8_head(head: torch.nn.Linear, group: int = 32, chunk: int = ACT_CHUNK) -> ChunkedLinear:
@@ -173,21 +210,39 @@ def _int8_head(head: torch.nn.Linear, group: int = 32, chunk: int = ACT_CHUNK) -
 
 
 def _quantize_asym4(model: torch.nn.Module, group_size: int = 32, chunk: int = ACT_CHUNK) -> dict:
-    """Every Linear but the LM head -> AsymInt4Linear; the head -> _int8_head (activation chunks of at
+    """Every Linear but the LM head -> AsymInt4Linear, sibling projections of one input (FUSE_SIBLINGS)
+    fused into one AsymInt4Linear behind LinearParts; the head -> _int8_head (activation chunks of at
     most `chunk` inputs). Returns the block counts."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     total = exact = 0
+
+    def quantizable(mod) -> bool:
+        return isinstance(mod, torch.nn.Linear) and mod is not head and mod.in_features % group_size == 0
+
     for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, torch.nn.Linear) or child.in_features % group_size:
+        for names in FUSE_SIBLINGS:
+            mods = [getattr(parent, n, None) for n in names]
+            if not all(quantizable(m) for m in mods) or len({m.in_features for m in mods}) > 1:
                 continue
-            if child is head:
-                setattr(parent, name, _int8_head(child, group_size, chunk))
-                continue
-            q = AsymInt4Linear(child.weight, child.bias, group_size, chunk)
-            total += q.nb * child.out_features
+            weight = torch.cat([m.weight.detach() for m in mods])
+            has_bias = [m.bias is not None for m in mods]
+            bias = torch.cat([m.bias.detach() if m.bias is not None else torch.zeros(m.out_features)
+                              for m in mods]) if any(has_bias) else None
+            q = AsymInt4Linear(weight, bias, group_size, chunk)
+            total += q.nb * weight.shape[0]
             exact += q.exact_blocks
-            setattr(parent, name, q)
+            shared, start = _SharedInput(q, len(names)), 0
+            for i, (name, m) in enumerate(zip(names, mods)):
+                setattr(parent, name, LinearPart(shared, i, start, start + m.out_features))
+                start += m.out_features
+        for name, child in list(parent.named_children()):
+            if child is head and isinstance(child, torch.nn.Linear) and child.in_features % group_size == 0:
+                setattr(parent, name, _int8_head(child, group_size, chunk))
+            elif quantizable(child):
+                q = AsymInt4Linear(child.weight, child.bias, group_size, chunk)
+                total += q.nb * child.out_features
+                exact += q.exact_blocks
+                setattr(parent, name, q)
     return {"int4_blocks": total, "int4_exact_blocks": exact}
 
 

@@ -26,7 +26,7 @@ def effective_weight(lin: AsymInt4Linear) -> torch.Tensor:
     """The weight the module multiplies by: dequantized int4 codes + each block's offset."""
     w = torch.cat([p.weight.dequantize() for p in lin.pieces], dim=1)
     if lin.offsets is not None:
-        w = w + torch.cat(list(lin.offsets), dim=1).repeat_interleave(lin.group, dim=1)
+        w = w + lin.offsets.repeat_interleave(lin.group, dim=1)
     return w
 
 
@@ -72,3 +72,28 @@ def test_activation_chunks():
     lin = AsymInt4Linear(w)
     assert lin.widths == [192, 192, 192]
     torch.testing.assert_close(effective_weight(lin), w, rtol=0, atol=1e-6)
+
+
+def test_sibling_projections_fused_keep_every_number():
+    """q/k/v (and gate/up) of a tiny llama become one AsymInt4Linear behind LinearParts: each part's
+    output equals its own AsymInt4Linear's on the same input (the same weight blocks, the same int8
+    activation scale per chunk of the shared input), in any call order and for a different input."""
+    from export.executorch_export import LinearPart, _quantize_asym4
+    from toolkit.tiny_models import tiny_model
+
+    model = tiny_model("llama", num_layers=1)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    alone = {n: AsymInt4Linear(getattr(attn, n).weight) for n in ("q_proj", "k_proj", "v_proj")}
+    alone |= {n: AsymInt4Linear(getattr(mlp, n).weight) for n in ("gate_proj", "up_proj")}
+    head = model.get_output_embeddings()
+    blocks = sum(m.weight.numel() // 32 for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    assert _quantize_asym4(model)["int4_blocks"] == blocks
+    assert isinstance(attn.k_proj, LinearPart) and isinstance(mlp.up_proj, LinearPart)
+    g = torch.Generator().manual_seed(4)
+    x, x2 = torch.randn(1, 5, 256, generator=g), torch.randn(1, 5, 256, generator=g)
+    with torch.no_grad():
+        for mod, names in ((attn, ("v_proj", "q_proj", "k_proj")), (mlp, ("gate_proj", "up_proj"))):
+            for name in names:  # out of order, then one part on another input
+                torch.testing.assert_close(getattr(mod, name)(x), alone[name](x), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(getattr(mod, names[0])(x2), alone[names[0]](x2), rtol=1e-5, atol=1e-5)
+        assert model(torch.arange(6)[None], use_cache=False).logits.isfinite().all()
