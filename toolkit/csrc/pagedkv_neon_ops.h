@@ -177,9 +177,50 @@ inline float32x4_t exp_f32x4(float32x4_t x) {
   return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(vmulq_f32(y, vreinterpretq_f32_s32(e))), keep));
 }
 
+// impl::widen_codes with NEON, 16 codes (2 BITS bytes) per step: code k spans bits k*BITS .. +BITS-1,
+// inside the 16-bit word of bytes (k*BITS)/8 and the next; tbl gathers those byte pairs into 16-bit lanes,
+// ushl shifts each right by (k*BITS) % 8, the narrowing move keeps the low bytes, then and + add. The
+// 2 BITS source bytes are copied into a 16-byte buffer first (no read past the codes). n a multiple of 8.
+template <int BITS>
+void widen_neon_n(const uint8_t* codes, int n, uint8_t add, uint8_t* out) {
+  alignas(16) uint8_t lo_idx[16], hi_idx[16];
+  alignas(16) int16_t sh[16];
+  for (int k = 0; k < 16; ++k) {
+    const int b = (k * BITS) >> 3;
+    uint8_t* idx = k < 8 ? lo_idx : hi_idx;
+    idx[2 * (k & 7)] = (uint8_t)b, idx[2 * (k & 7) + 1] = (uint8_t)(b + 1);
+    sh[k] = (int16_t)(-((k * BITS) & 7));
+  }
+  const uint8x16_t tlo = vld1q_u8(lo_idx), thi = vld1q_u8(hi_idx);
+  const int16x8_t slo = vld1q_s16(sh), shi = vld1q_s16(sh + 8);
+  const uint8x16_t mask = vdupq_n_u8((uint8_t)((1 << BITS) - 1)), va = vdupq_n_u8(add);
+  alignas(16) uint8_t buf[16] = {0};
+  int i = 0;
+  for (; i + 16 <= n; i += 16, codes += 2 * BITS) {
+    std::memcpy(buf, codes, 2 * BITS);
+    const uint8x16_t src = vld1q_u8(buf);
+    const uint16x8_t a = vshlq_u16(vreinterpretq_u16_u8(vqtbl1q_u8(src, tlo)), slo);
+    const uint16x8_t b = vshlq_u16(vreinterpretq_u16_u8(vqtbl1q_u8(src, thi)), shi);
+    const uint8x16_t x = vcombine_u8(vmovn_u16(a), vmovn_u16(b));
+    vst1q_u8(out + i, vaddq_u8(vandq_u8(x, mask), va));
+  }
+  if (i < n) impl::widen_codes(codes, BITS, n - i, add, out + i);  // the last 8 codes
+}
+
 // The fp32 members of an Ops struct with kFastQuant (q_scores / q_prepare come from the path).
 struct NeonFusedOps : NeonOps {
   static constexpr bool kCentredAsym = true;  // asymmetric codes read as u - 2^(b-1) (QuantRun::k_mid)
+  static void widen(const uint8_t* codes, int bits, int n, uint8_t add, uint8_t* out) {
+    switch (bits) {
+      case 2: return widen_neon_n<2>(codes, n, add, out);
+      case 3: return widen_neon_n<3>(codes, n, add, out);
+      case 4: return widen_neon_n<4>(codes, n, add, out);
+      case 5: return widen_neon_n<5>(codes, n, add, out);
+      case 6: return widen_neon_n<6>(codes, n, add, out);
+      case 7: return widen_neon_n<7>(codes, n, add, out);
+      default: return impl::widen_codes(codes, bits, n, add, out);
+    }
+  }
   static void v_accum(const QuantRun& r, const float* p, int ldp, int G, float* acc) {
     if (r.v_bits == 8) {
       r.v_sym ? vacc_all<8, true>(r, p, ldp, G, acc) : vacc_all<8, false>(r, p, ldp, G, acc);
