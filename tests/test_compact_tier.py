@@ -316,3 +316,52 @@ def test_compact_spec_for_the_presets():
     assert compact_spec_for(PRESETS["default"], 256).k_group == COMPACT_SPEC.k_group
     with pytest.raises(SpecError, match="not fewer"):
         compact_spec_for(PRESETS["k4v4"].replace(k_bits=3, v_bits=2), 64)
+
+
+# ----------------------------------------------------------------------------------------------
+# The mixed op's ONNX fallback function (export/onnx_mixed.py): stock onnxruntime, no native library
+
+
+def test_onnx_mixed_fallback_function_matches_the_reference():
+    """One QuantizedPagedAttentionMixed node whose only implementation is the model's fallback function
+    (standard ops) on stock onnxruntime: the reference's output and pools for a mixed table."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from export.onnx_mixed import MIXED_OP_TYPE, MIXED_TENSOR_INPUTS, mixed_fallback_function, register_mixed_schema
+    from toolkit.paged_attention import COMPACT_SCALAR_ARG_NAMES, SCALAR_ARG_NAMES
+
+    spec, d, lay, pools, cpools, tables, sc, sinks, (q, k, v), n = _decode_setup()
+    # a mixed table: logical blocks 1 and 3 re-quantized into compact blocks 2 and 0
+    ccodes, cscales = (t.clone() for t in cpools)
+    mixed = tables.clone()
+    for col, dst in ((1, 2), (3, 0)):
+        compact_block(pools[0], pools[1], ccodes, cscales, int(tables[0, col]), dst, spec, K4V3, d)
+        mixed[0, col] = lay.num_blocks + dst
+    pos, seq = torch.tensor([n]), torch.tensor([0])
+    cs = _compact_scalars(K4V3, d)
+    want = reference_paged_attention(q, k, v, *pools, pos, seq, mixed, sinks, *sc, compact=(ccodes, cscales, *cs))
+
+    register_mixed_schema()
+    fn, extra = mixed_fallback_function(lay, q.shape[1])
+    tensors = (q, k, v, *pools, ccodes, cscales, pos, seq, mixed, sinks)
+    elem = {torch.uint8: TensorProto.UINT8, torch.float16: TensorProto.FLOAT16, torch.float32: TensorProto.FLOAT,
+            torch.int64: TensorProto.INT64}
+    inputs = [helper.make_tensor_value_info(nm, elem[x.dtype], list(x.shape)) for nm, x in zip(MIXED_TENSOR_INPUTS, tensors)]
+    outs = [helper.make_tensor_value_info(nm, elem[x.dtype], list(x.shape))
+            for nm, x in zip(("out", "codes_out", "scales_out", "stage_out"), want)]
+    attrs = {a: (float(x) if isinstance(x, float) else int(x))
+             for a, x in zip(SCALAR_ARG_NAMES + COMPACT_SCALAR_ARG_NAMES, sc + cs)}
+    node = helper.make_node(MIXED_OP_TYPE, list(MIXED_TENSOR_INPUTS), [o.name for o in outs], domain="pagedkv", **attrs)
+    model = helper.make_model(helper.make_graph([node], "mixed", inputs, outs),
+                              opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("pagedkv", 1)]
+                              + [o for o in fn.opset_import if o.domain not in ("", "pagedkv")])
+    model.ir_version = 10
+    model.functions.extend([fn, *extra])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    got = sess.run(None, {nm: x.numpy() for nm, x in zip(MIXED_TENSOR_INPUTS, tensors)})
+    torch.testing.assert_close(torch.from_numpy(got[0]), want[0], rtol=2e-5, atol=2e-5)
+    for a, b in zip(got[1:], want[1:]):
+        assert torch.equal(torch.from_numpy(a), b)

@@ -155,3 +155,13 @@ def test_c_entry_point_mixed_order():
     assert [name for name, _ in reads] == list(COMPACT_SCALAR_ARG_NAMES)
     n = len(SCALAR_ARG_NAMES)
     assert [int(i) for _, i in reads] == list(range(n, n + len(COMPACT_SCALAR_ARG_NAMES)))
+
+
+def test_onnx_mixed_node_declares_each_attribute():
+    from export.onnx_export import FLOAT_ATTRS
+    from export.onnx_mixed import MIXED_INT_ATTRS
+    from toolkit.paged_attention import COMPACT_SCALAR_ARG_NAMES
+
+    names = SCALAR_ARG_NAMES + COMPACT_SCALAR_ARG_NAMES
+    assert tuple(n for n in names if n not in FLOAT_ATTRS) == MIXED_INT_ATTRS
+    assert set(FLOAT_ATTRS) <= set(names)

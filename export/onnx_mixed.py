@@ -1,0 +1,104 @@
+"""ONNX form of the mixed-table op (the compact tier, issue 25): the node `pagedkv.QuantizedPagedAttentionMixed`
+(toolkit/csrc/ort_op.cpp runs it natively) and its standard-op fallback function, built like the default
+op's (export/onnx_export.py): the op's plain-PyTorch reference exported to standard ONNX ops, the spec and
+the compact spec baked in, scale / window / softcap through attribute references. Stock onnxruntime
+inlines the function; with the native kernel library registered ORT runs the kernel instead.
+
+The compiler does not emit this node yet (a model exported with a compact region): this module is the
+graph piece such an export uses.
+"""
+
+from __future__ import annotations
+
+import onnx
+import torch
+from onnx import helper
+
+from export.onnx_export import _REF_ATTRS, DOMAIN, FLOAT_ATTRS, OPSET, TENSOR_OUTPUTS
+from toolkit.paged_attention import COMPACT_SCALAR_ARG_NAMES, SCALAR_ARG_NAMES, reference_paged_attention
+from toolkit.pool_layout import PoolLayout
+
+MIXED_OP_TYPE = "QuantizedPagedAttentionMixed"
+MIXED_TENSOR_INPUTS = ("q", "k", "v", "codes", "scales", "stage", "compact_codes", "compact_scales", "positions",
+                       "seq_ids", "block_tables", "sinks")
+MIXED_INT_ATTRS = tuple(n for n in SCALAR_ARG_NAMES + COMPACT_SCALAR_ARG_NAMES if n not in FLOAT_ATTRS)
+
+
+def register_mixed_schema() -> None:
+    """Tell onnx about the mixed node (so the checker and onnxscript accept it)."""
+    if onnx.defs.has(MIXED_OP_TYPE, DOMAIN):
+        return
+    O = onnx.defs.OpSchema
+    schema = O(
+        MIXED_OP_TYPE,
+        DOMAIN,
+        1,
+        doc="Paged attention over a quantized KV block pool whose block tables also name compact blocks "
+            "(see toolkit/POOL_FORMAT.md, Compact region).",
+        inputs=[O.FormalParameter(n, "T" + str(i)) for i, n in enumerate(MIXED_TENSOR_INPUTS)],
+        outputs=[O.FormalParameter(n, "U" + str(i)) for i, n in enumerate(TENSOR_OUTPUTS)],
+        type_constraints=[
+            ("T" + str(i), ["tensor(float)", "tensor(float16)", "tensor(uint8)", "tensor(int64)"], "")
+            for i in range(len(MIXED_TENSOR_INPUTS))
+        ]
+        + [("U" + str(i), ["tensor(float)", "tensor(float16)", "tensor(uint8)"], "") for i in range(4)],
+        attributes=[O.Attribute(n, O.AttrType.INT) for n in MIXED_INT_ATTRS]
+        + [O.Attribute(n, O.AttrType.FLOAT) for n in FLOAT_ATTRS],
+    )
+    onnx.defs.register_schema(schema)
+
+
+class _MixedReferenceForExport(torch.nn.Module):
+    def __init__(self, layout: PoolLayout):
+        super().__init__()
+        self.layout = layout
+
+    def forward(self, q, k, v, codes, scales, stage, ccodes, cscales, positions, seq_ids, block_tables, sinks, scale,
+                window, softcap):
+        s, c, d = self.layout.spec, self.layout.compact, self.layout.head_dim
+        kg, vg = s.groups(d)
+        ckg, cvg = c.groups(d)
+        return reference_paged_attention(
+            q, k, v, codes, scales, stage, positions, seq_ids, block_tables, sinks, 0,
+            s.k_bits, s.v_bits, kg, vg, s.k_sym, s.v_sym, s.rotate, s.fp_tail, s.sink_blocks, scale, window, softcap,
+            compact=(ccodes, cscales, c.k_bits, c.v_bits, ckg, cvg, c.k_sym, c.v_sym),
+        )
+
+
+def mixed_fallback_function(layout: PoolLayout, num_heads: int) -> tuple[onnx.FunctionProto, list[onnx.FunctionProto]]:
+    """The reference mixed op (T, M, NB, NC dynamic) as the FunctionProto pagedkv::QuantizedPagedAttentionMixed,
+    for a layout with a compact region. Returns (function, helper functions the body calls)."""
+    if layout.compact is None:
+        raise ValueError("the mixed op's fallback needs a pool layout with a compact region")
+    t, m = torch.export.Dim("T", min=1), torch.export.Dim("M", min=1)
+    nb, nc = torch.export.Dim("NB", min=2), torch.export.Dim("NC", min=2)
+    codes, scales, stage = layout.allocate_layer()
+    ccodes, cscales = layout.allocate_compact_layer()
+    hkv, d, n = layout.num_kv_heads, layout.head_dim, 3
+    example = (
+        torch.randn(1, num_heads, n, d), torch.randn(1, hkv, n, d), torch.randn(1, hkv, n, d),
+        codes, scales, stage, ccodes, cscales, torch.arange(n), torch.zeros(n, dtype=torch.int64),
+        torch.zeros(stage.shape[0], 2, dtype=torch.int64), torch.full((num_heads,), float("-inf")),
+        torch.tensor(d ** -0.5), torch.tensor(0), torch.tensor(0.0),
+    )
+    dyn = ({2: t}, {2: t}, {2: t}, {0: nb}, {0: nb}, None, {0: nc}, {0: nc}, {0: t}, {0: t}, {1: m}, None, None, None,
+           None)
+    prog = torch.onnx.export(_MixedReferenceForExport(layout), example, dynamo=True, dynamic_shapes=dyn,
+                             opset_version=OPSET, verbose=False)
+    g = prog.model_proto.graph
+    names = [i.name for i in g.input]
+    nodes = []
+    for name, (attr, kind) in zip(names[len(MIXED_TENSOR_INPUTS):], _REF_ATTRS.items()):
+        a = onnx.AttributeProto(name="value_float" if kind == onnx.AttributeProto.FLOAT else "value_int",
+                                ref_attr_name=attr, type=kind)
+        nodes.append(helper.make_node("Constant", [], [name], name=f"attr_{attr}"))
+        nodes[-1].attribute.append(a)
+    for init in g.initializer:
+        nodes.append(helper.make_node("Constant", [], [init.name], value=init))
+    nodes.extend(g.node)
+    fn = helper.make_function(
+        DOMAIN, MIXED_OP_TYPE, names[: len(MIXED_TENSOR_INPUTS)], [o.name for o in g.output], nodes,
+        opset_imports=list(prog.model_proto.opset_import),
+        attributes=list(MIXED_INT_ATTRS) + list(FLOAT_ATTRS),
+    )
+    return fn, list(prog.model_proto.functions)
