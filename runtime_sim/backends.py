@@ -69,6 +69,17 @@ class TorchBackend:
     copy_block = copy_pool_block
     copy_stage = copy_pool_stage
 
+    def compact_block(self, src: int, dst: int) -> None:
+        """Re-quantize default block src into compact block dst (an index of the compact region) in every
+        layer that has one (toolkit.quant.compact_block; the compact tier, runtime_sim/compact.py)."""
+        from toolkit.quant import compact_block
+
+        lay = self.layout
+        pools = self.paged.pool_tensors()
+        for i, (ccodes, cscales) in self.paged.compact_pool_tensors().items():
+            codes, scales, _ = pools[i]
+            compact_block(codes, scales, ccodes, cscales, src, dst, lay.spec, lay.compact, lay.head_dim)
+
 
 class OrtBackend:
     """The exported .onnx on onnxruntime. Pools are OrtValues bound as both input and output of

@@ -136,7 +136,8 @@ class Engine:
         # sliding layers has one global group of the layout's blocks, exactly the single pool of before
         self.groups = list(getattr(backend, "groups", None) or [LayerGroup(0, tuple(range(lay.num_layers)),
                                                                            lay.num_blocks)])
-        self.pool = GroupedBlockPool(self.groups, lay.block_size, lay.max_seqs)
+        # the global group's compact region (the compact tier, runtime_sim/compact.py), if the model has one
+        self.pool = GroupedBlockPool(self.groups, lay.block_size, lay.max_seqs, getattr(lay, "num_compact_blocks", 0))
         self.prefill_chunk = prefill_chunk
         self.conversations: dict[int, Conversation] = {}
         self.counters = Counters()
@@ -285,7 +286,8 @@ class Engine:
         out = []
         for g in range(len(self.groups)):
             others = {b for s in self.pool.live_sequences() if s != seq for b in self.pool.block_table(s, g)}
-            out.append(sum(1 for b in self.pool.block_table(seq, g) if b >= 0 and b not in others))
+            n = self.groups[g].num_blocks  # ids >= n: compact blocks, which free no default block
+            out.append(sum(1 for b in self.pool.block_table(seq, g) if 0 <= b < n and b not in others))
         return out
 
     def _spill_one(self, protect: set[int], short: list[int] | None) -> bool:

@@ -365,3 +365,153 @@ def test_onnx_mixed_fallback_function_matches_the_reference():
     torch.testing.assert_close(torch.from_numpy(got[0]), want[0], rtol=2e-5, atol=2e-5)
     for a, b in zip(got[1:], want[1:]):
         assert torch.equal(torch.from_numpy(a), b)
+
+
+# ----------------------------------------------------------------------------------------------
+# The model and the engine: compile(compact_blocks=N), runtime_sim.compact.compact_aged
+
+
+def _compact_engine(num_blocks=16, compact_blocks=4, max_seqs=2):
+    from runtime_sim.backends import TorchBackend
+    from runtime_sim.engine import Engine
+    from toolkit.compiler import compile
+    from toolkit.tiny_models import tiny_model
+
+    paged = compile(tiny_model("llama"), "default", num_blocks=num_blocks, max_seqs=max_seqs,
+                    compact_blocks=compact_blocks)
+    return Engine(TorchBackend(paged), prefill_chunk=16)
+
+
+def _pool_state(paged):
+    return ([tuple(t.clone() for t in layer) for layer in paged.pool_tensors()],
+            {i: tuple(t.clone() for t in c) for i, c in paged.compact_pool_tensors().items()})
+
+
+def test_compile_without_compact_blocks_is_todays_model():
+    from toolkit.compiler import compile
+    from toolkit.kv_spec import compact_spec_for
+    from toolkit.tiny_models import tiny_model
+
+    plain = compile(tiny_model("llama"), "default", num_blocks=8)
+    assert plain.layout.num_compact_blocks == 0 and plain.compact_pool_tensors() == {}
+    with_c = compile(tiny_model("llama"), "default", num_blocks=8, compact_blocks=3)
+    names = {n for n, _ in plain.named_buffers()}
+    assert {n for n, _ in with_c.named_buffers()} == names | {f"compact_{w}_{i}" for w in ("codes", "scales")
+                                                             for i in range(2)}
+    assert with_c.layout.compact == compact_spec_for(PRESETS["default"], 64)
+    cc, cs = with_c.compact_pool_tensors()[0]
+    assert tuple(cc.shape) == with_c.layout.compact_codes_shape() and cc.shape[0] == 3
+    assert tuple(cs.shape) == with_c.layout.compact_scales_shape()
+    # a table without compact ids: the model with a region gives the plain model's logits bit for bit
+    ids = torch.arange(3, 40)[None]
+    pos, seq = torch.arange(37), torch.zeros(37, dtype=torch.int64)
+    table = torch.full((4, 3), -1, dtype=torch.int64)
+    table[0] = torch.tensor([5, 2, 7])
+    with torch.no_grad():
+        assert torch.equal(plain(ids, pos, seq, table), with_c(ids, pos, seq, table))
+
+
+def test_compact_aged_in_the_engine():
+    from runtime_sim.compact import compact_aged
+    from toolkit.compiler import compile
+    from toolkit.tiny_models import tiny_model
+
+    e = _compact_engine()
+    paged, lay, bs = e.backend.paged, e.backend.layout, 16
+    prompt = [(7 * i + 3) % 500 + 3 for i in range(90)]  # 90 tokens: blocks 0..5, the last one partial
+    c = e.new_conversation()
+    e.prefill(c, prompt)
+    seq = e.conversations[c].seq
+    before_table = e.pool.block_table(seq)
+    before = _pool_state(paged)
+    with pytest.raises(PagedKVError, match="horizon"):
+        compact_aged(e, c, 0)
+
+    moved = compact_aged(e, c, horizon=40)  # blocks ending at least 40 tokens back: 1 and 2 (0 is the sink)
+    assert [i for i, _, _ in moved] == [1, 2]
+    table = e.pool.block_table(seq)
+    assert [table[i] for i, _, _ in moved] == [16, 17] and [s for _, s, _ in moved] == before_table[1:3]
+    assert table[:1] + table[3:] == before_table[:1] + before_table[3:]
+    e.check_invariants()
+    assert e.pool.main.num_free_compact_blocks == 2 and e.pool.num_free_blocks == 16 - 6 + 2
+    assert compact_aged(e, c, horizon=40) == []  # nothing more is old enough
+
+    # (b) the default region and the stages are byte-identical; the compact region holds exactly the
+    # re-quantized records of the moved blocks, and nothing else
+    after = _pool_state(paged)
+    for old, new in zip(before[0], after[0]):
+        for a, b in zip(old, new):
+            assert torch.equal(a, b)
+    for i, (ccodes, cscales) in after[1].items():
+        codes, scales, _ = before[0][i]
+        for _, src, dst in moved:
+            want_c, want_s = requantize(codes[src], scales[src], lay.spec, lay.compact, 64)
+            assert torch.equal(ccodes[dst - 16], want_c) and torch.equal(cscales[dst - 16], want_s)
+        assert not ccodes[2:].any() and not cscales[2:].any()
+
+    # (a) the next token's logits equal an independent model's (same weights) on a copy of the same pool
+    # state, called directly with the table the pool now holds: the mixed reference op reads the compact blocks
+    ref = compile(tiny_model("llama"), "default", num_blocks=16, max_seqs=2, compact_blocks=4)
+    for (dc, ds, dt), (sc, ss, st) in zip(ref.pool_tensors(), after[0]):
+        dc.copy_(sc), ds.copy_(ss), dt.copy_(st)
+    for i, (cc, cs) in ref.compact_pool_tensors().items():
+        cc.copy_(after[1][i][0]), cs.copy_(after[1][i][1])
+    tab = torch.full((2, 6), -1, dtype=torch.int64)
+    tab[seq] = torch.tensor(table)
+    with torch.no_grad():
+        want = ref(torch.tensor([[11]]), torch.tensor([90]), torch.tensor([seq]), tab)[0, -1].numpy()
+    # the same step without the compact tier reads other values: the compact blocks are what is read
+    plain = _compact_engine()
+    pc = plain.new_conversation()
+    plain.prefill(pc, prompt)
+    got = e.step({c: [11]})[c]
+    assert (got == want).all()
+    assert not (plain.step({pc: [11]})[pc] == got).all()
+    e.check_invariants()
+
+    # (d) generation goes on (new blocks come from the default region), then everything is freed
+    out = list(e.generate(c, [12, 13], 30))
+    assert len(out) == 30 and all(0 <= t < 512 for t in out)
+    assert len(e.pool.block_table(seq)) == -(-(90 + 1 + 2 + 30 - 1) // bs) and all(
+        b < 16 for i, b in enumerate(e.pool.block_table(seq)) if i not in (1, 2))
+    moved = compact_aged(e, c, horizon=40)  # blocks 3..4 now old enough; 2 compact blocks left
+    assert [i for i, _, _ in moved] == [3, 4] and e.pool.main.num_free_compact_blocks == 0
+    e.check_invariants()
+    e.close(c)
+    e.check_invariants()
+    assert e.pool.num_free_blocks == 16 and e.pool.main.num_free_compact_blocks == 4
+
+
+def test_compact_aged_leaves_shared_blocks():
+    from runtime_sim.compact import compact_aged
+
+    e = _compact_engine()
+    c = e.new_conversation()
+    e.prefill(c, list(range(3, 90)))
+    f = e.fork(c)  # every block is shared: nothing moves, for either conversation
+    assert compact_aged(e, c, 16) == [] and compact_aged(e, f, 16) == []
+    e.step({f: [5] * 20})  # f's last block is copied on write; the older ones stay shared
+    assert compact_aged(e, f, 16) == []
+    e.close(c)  # now f holds them alone
+    moved = compact_aged(e, f, 16)
+    assert [i for i, _, _ in moved] == [1, 2, 3, 4]
+    e.check_invariants()
+    e.close(f)
+    e.check_invariants()
+    assert e.pool.num_free_blocks == 16 and e.pool.main.num_free_compact_blocks == 4
+
+
+def test_compact_aged_errors():
+    from runtime_sim.backends import TorchBackend
+    from runtime_sim.compact import compact_aged
+    from runtime_sim.engine import Engine
+    from toolkit.compiler import compile
+    from toolkit.tiny_models import tiny_model
+
+    e = Engine(TorchBackend(compile(tiny_model("llama"), "default", num_blocks=8)), prefill_chunk=16)
+    c = e.new_conversation()
+    e.prefill(c, list(range(3, 60)))
+    with pytest.raises(PagedKVError, match="compact_blocks"):
+        compact_aged(e, c, 16)
+    with pytest.raises(SpecError):
+        compile(tiny_model("llama"), "fp16", num_blocks=8, compact_blocks=2)

@@ -59,7 +59,7 @@ class _Seq:
 class BlockPool:
     """Block tables, refcounts, free list, sequence slots and the prefix cache of a KV pool."""
 
-    def __init__(self, num_blocks: int, block_size: int, max_seqs: int):
+    def __init__(self, num_blocks: int, block_size: int, max_seqs: int, num_compact_blocks: int = 0):
         check_block_size(block_size)
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise SpecError(f"num_blocks {num_blocks!r} is invalid: the pool needs at least 1 block")
@@ -68,7 +68,12 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_seqs = max_seqs
-        self._refcount = [0] * num_blocks
+        # the compact tier (issue 25): ids num_blocks .. num_blocks + num_compact_blocks - 1 name blocks of
+        # the pool's compact region. They are never allocated for growth; compact() moves a full block there.
+        self.num_compact_blocks = num_compact_blocks
+        self._compact_free: OrderedDict[int, None] = OrderedDict.fromkeys(
+            range(num_blocks, num_blocks + num_compact_blocks))
+        self._refcount = [0] * (num_blocks + num_compact_blocks)
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # ordered set
         # prefix cache: chained hash -> block id, plus what each registered block holds
         self._cache: dict[int, int] = {}
@@ -318,6 +323,39 @@ class BlockPool:
             block, s.blocks[i] = s.blocks[i], HOLE
             self._decref(block)
 
+    def compact(self, seq: int, index: int) -> tuple[int, int]:
+        """Move logical block `index` of seq to a free compact block: the table names the compact id,
+        the default block loses seq's reference (freed; its prefix-cache entry is kept, the records in it
+        are intact until it is reused). Returns (default id, compact id); the runtime re-quantizes the
+        records from the first into the second before the next call. Only a full committed block held by
+        seq alone: a block shared with another sequence (fork, prefix cache) is left as it is. Atomic."""
+        s = self._get(seq)
+        if not isinstance(index, int) or not 0 <= index < s.length // self.block_size:
+            raise PoolStateError(f"cannot compact logical block {index!r} of sequence {seq}: only full committed "
+                                 f"blocks 0..{s.length // self.block_size - 1} can be")
+        block = s.blocks[index]
+        if block == HOLE or block >= self.num_blocks:
+            raise PoolStateError(f"logical block {index} of sequence {seq} is "
+                                 f"{'dropped' if block == HOLE else 'compact'} already")
+        if self._refcount[block] > 1:
+            raise PoolStateError(f"logical block {index} of sequence {seq} (block {block}) is shared with another "
+                                 "sequence: shared blocks stay in the default region")
+        if not self._compact_free:
+            raise PoolExhausted(1, 0, what=f"compacting block {index} of sequence {seq} (compact region full)")
+        dst, _ = self._compact_free.popitem(last=False)
+        self._refcount[dst] = 1
+        s.blocks[index] = dst
+        self._decref(block)
+        return block, dst
+
+    @property
+    def num_free_compact_blocks(self) -> int:
+        return len(self._compact_free)
+
+    def refcount(self, block: int) -> int:
+        """Sequences holding block (default or compact id)."""
+        return self._refcount[block]
+
     # ------------------------------------------------------------------ accounting
 
     def stats(self) -> dict:
@@ -346,7 +384,8 @@ class BlockPool:
         def fail(msg: str) -> None:
             raise PoolStateError(f"block pool invariant broken: {msg}")
 
-        refs = [0] * self.num_blocks
+        total = self.num_blocks + self.num_compact_blocks
+        refs = [0] * total
         bs = self.block_size
         for seq, s in self._seqs.items():
             if not 0 <= s.length <= s.reserved:
@@ -359,8 +398,8 @@ class BlockPool:
                 if block == HOLE:
                     if i >= s.length // bs:
                         fail(f"sequence {seq} has a hole at logical block {i}, which is not full")
-                elif not 0 <= block < self.num_blocks:
-                    fail(f"sequence {seq} references block {block} outside 0..{self.num_blocks - 1}")
+                elif not 0 <= block < total:
+                    fail(f"sequence {seq} references block {block} outside 0..{total - 1}")
                 else:
                     refs[block] += 1
         for block in range(self.num_blocks):
@@ -371,7 +410,13 @@ class BlockPool:
                      f"{block in self._free}")
         if any(not 0 <= b < self.num_blocks for b in self._free):
             fail("free list holds an id outside the pool")
-        used = sum(1 for r in self._refcount if r > 0)
+        for block in range(self.num_blocks, total):  # the compact region
+            if refs[block] != self._refcount[block]:
+                fail(f"compact block {block} has refcount {self._refcount[block]} but {refs[block]} table references")
+            if (self._refcount[block] == 0) != (block in self._compact_free):
+                fail(f"compact block {block} has refcount {self._refcount[block]}, free-list membership "
+                     f"{block in self._compact_free}")
+        used = sum(1 for r in self._refcount[:self.num_blocks] if r > 0)
         if used + len(self._free) != self.num_blocks:
             fail(f"{used} used + {len(self._free)} free != {self.num_blocks} total blocks")
         for h, block in self._cache.items():
@@ -408,7 +453,10 @@ class BlockPool:
     def _decref(self, block: int) -> None:
         self._refcount[block] -= 1
         if self._refcount[block] == 0:
-            self._free[block] = None
+            if block >= self.num_blocks:
+                self._compact_free[block] = None
+            else:
+                self._free[block] = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -469,11 +517,15 @@ class GroupedBlockPool:
     With one global group this is exactly a BlockPool (same block ids, same tables).
     """
 
-    def __init__(self, groups: list[LayerGroup], block_size: int, max_seqs: int):
+    def __init__(self, groups: list[LayerGroup], block_size: int, max_seqs: int, num_compact_blocks: int = 0):
+        """num_compact_blocks: the compact region of the global group (the first, window 0), if any."""
         if not groups:
             raise SpecError("a pool needs at least one layer group")
+        if num_compact_blocks and groups[0].window:
+            raise SpecError("a compact region belongs to the global layer group: this model has none")
         self.groups = list(groups)
-        self.pools = [BlockPool(g.num_blocks, block_size, max_seqs) for g in self.groups]
+        self.pools = [BlockPool(g.num_blocks, block_size, max_seqs, num_compact_blocks if i == 0 else 0)
+                      for i, g in enumerate(self.groups)]
         self.block_size = block_size
         self.max_seqs = max_seqs
 

@@ -24,6 +24,7 @@ import toolkit.paged_attention  # noqa: F401  (registers torch.ops.pagedkv)
 from toolkit.block_pool import LayerGroup
 from toolkit.errors import UnsupportedModelError
 from toolkit.model_dims import ModelDims, text_config, layer_windows, model_dims  # noqa: F401  (re-exported)
+from toolkit.kv_spec import compact_spec_for
 from toolkit.pool_layout import PoolLayout
 from toolkit.quant import KVQuantSpec, resolve_spec
 
@@ -116,6 +117,7 @@ class PagedContext:
     windows: tuple  # per group: 0 or the window its table was trimmed to
     functional: bool = False
     new_pools: dict = field(default_factory=dict)  # layer -> (codes, scales, stage), functional only
+    compact_pools: dict = field(default_factory=dict)  # layer -> (compact codes, compact scales): the mixed op
 
 
 def op_scalar_args(spec: KVQuantSpec, head_dim: int, layer: int, scale: float, window: int, softcap: float):
@@ -150,7 +152,20 @@ def paged_attention_forward(
         )
     scalars = op_scalar_args(ctx.layout.spec, d, layer, scale, sliding_window or 0, softcap or 0.0)
     codes, scales, stage = ctx.pools[layer]
-    args = (query, key, value, codes, scales, stage, ctx.positions, ctx.seq_ids, ctx.block_tables[g], sinks.float())
+    tail = (ctx.positions, ctx.seq_ids, ctx.block_tables[g], sinks.float())
+    if layer in ctx.compact_pools:  # the compact tier: the table may name compact blocks (ids >= num_blocks)
+        c = ctx.layout.compact
+        ckg, cvg = c.groups(d)
+        args = (query, key, value, codes, scales, stage, *ctx.compact_pools[layer], *tail)
+        more = (c.k_bits, c.v_bits, ckg, cvg, c.k_sym, c.v_sym)
+        if ctx.functional:
+            out, codes, scales, stage = torch.ops.pagedkv.quantized_paged_attention_mixed_functional(
+                *args, *scalars, *more)
+            ctx.new_pools[layer] = (codes, scales, stage)
+        else:
+            out = torch.ops.pagedkv.quantized_paged_attention_mixed(*args, *scalars, *more)
+        return out.to(query.dtype), None
+    args = (query, key, value, codes, scales, stage, *tail)
     if ctx.functional:
         out, codes, scales, stage = torch.ops.pagedkv.quantized_paged_attention_functional(*args, *scalars)
         ctx.new_pools[layer] = (codes, scales, stage)
@@ -171,7 +186,9 @@ class PagedModel(nn.Module):
 
     forward(input_ids [1, T], positions [T], seq_ids [T], block_tables [S, M], *more_tables) -> logits
     [1, T, V]: one block table per layer group (`groups`; one for a model without sliding layers).
-    Each layer's pool has its group's number of blocks.
+    Each layer's pool has its group's number of blocks. With a compact region (layout.num_compact_blocks
+    > 0, compile(compact_blocks=N)) the global group's layers also hold compact_codes_i/compact_scales_i
+    and call the mixed op (pagedkv::quantized_paged_attention_mixed): their table may name compact blocks.
     """
 
     def __init__(self, hf_model: nn.Module, layout: PoolLayout, groups: list[LayerGroup] | None = None):
@@ -187,11 +204,25 @@ class PagedModel(nn.Module):
             self.register_buffer(f"codes_{i}", codes, persistent=False)
             self.register_buffer(f"scales_{i}", scales, persistent=False)
             self.register_buffer(f"stage_{i}", stage, persistent=False)
+            if self.layer_layout(i).num_compact_blocks:
+                ccodes, cscales = self.layer_layout(i).allocate_compact_layer()
+                self.register_buffer(f"compact_codes_{i}", ccodes, persistent=False)
+                self.register_buffer(f"compact_scales_{i}", cscales, persistent=False)
 
     def layer_layout(self, layer: int) -> PoolLayout:
-        """The layout of one layer's pool tensors (its group's block count)."""
-        n = self.groups[self.layer_group[layer]].num_blocks
-        return self.layout if n == self.layout.num_blocks else dataclasses.replace(self.layout, num_blocks=n)
+        """The layout of one layer's pool tensors (its group's block count; the compact region is the
+        global group's only)."""
+        g = self.groups[self.layer_group[layer]]
+        lay = self.layout if g.num_blocks == self.layout.num_blocks else dataclasses.replace(self.layout,
+                                                                                              num_blocks=g.num_blocks)
+        if g.window and lay.num_compact_blocks:
+            lay = dataclasses.replace(lay, compact=None, num_compact_blocks=0)
+        return lay
+
+    def compact_pool_tensors(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """layer -> (compact_codes, compact_scales) of each layer with a compact region ({} without one)."""
+        return {i: (getattr(self, f"compact_codes_{i}"), getattr(self, f"compact_scales_{i}"))
+                for i in range(self.layout.num_layers) if hasattr(self, f"compact_codes_{i}")}
 
     def pool_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         return [
@@ -200,7 +231,7 @@ class PagedModel(nn.Module):
         ]
 
     def reset_pool(self) -> None:
-        for tensors in self.pool_tensors():
+        for tensors in [*self.pool_tensors(), *self.compact_pool_tensors().values()]:
             for t in tensors:
                 t.zero_()
 
@@ -212,7 +243,8 @@ class PagedModel(nn.Module):
                 f"{len(tables)} block table(s) given, the model has {len(self.groups)} layer group(s): pass one per group."
             )
         windows = tuple(g.window for g in self.groups)
-        ctx = PagedContext(self.layout, pools, positions, seq_ids, list(tables), self.layer_group, windows, functional)
+        ctx = PagedContext(self.layout, pools, positions, seq_ids, list(tables), self.layer_group, windows, functional,
+                           compact_pools=self.compact_pool_tensors())
         out = self.hf(
             input_ids=input_ids, position_ids=positions[None], use_cache=False, pagedkv=ctx, return_dict=True,
             logits_to_keep=0 if logits_rows is None else logits_rows,
@@ -234,6 +266,9 @@ class FunctionalPagedModel(nn.Module):
 
     def __init__(self, paged: PagedModel):
         super().__init__()
+        if paged.layout.num_compact_blocks:
+            raise UnsupportedModelError("the functional (ONNX) form of a model with a compact region is not built "
+                                        "yet (issue 25): compile without compact_blocks to export.")
         self.paged = paged
 
     def forward(self, input_ids, positions, seq_ids, block_tables, *rest):
@@ -256,12 +291,17 @@ def compile(
     max_seqs: int = 4,
     sliding_blocks: int | None = None,
     groups: bool = True,
+    compact_blocks: int = 0,
 ) -> PagedModel:
     """Rewrite `model`'s attention to the paged op (in place on the HF model) and wrap it with a pool.
 
     Layers are grouped by attention type (layer_groups): each group gets its own block tables, and
     the pools of a sliding group's layers have sliding_blocks blocks (default num_blocks). groups=False
-    puts every layer in one group (one table, every layer holds every position, as before groups)."""
+    puts every layer in one group (one table, every layer holds every position, as before groups).
+
+    compact_blocks=N > 0 adds a compact region of N blocks (the compact tier, issue 25; spec
+    compact_spec_for(spec)) to the global group's layers, which then call the mixed op; 0 (the default)
+    is exactly the model without one."""
     preflight(model.config)
     spec = resolve_spec(spec)
     dims = model_dims(model.config)
@@ -269,8 +309,13 @@ def compile(
         raise UnsupportedModelError(
             f"{dims.num_heads} query heads are not a multiple of {dims.num_kv_heads} KV heads."
         )
-    layout = PoolLayout(spec, dims.num_layers, dims.num_kv_heads, dims.head_dim, block_size, num_blocks, max_seqs)
+    compact = compact_spec_for(spec, dims.head_dim) if compact_blocks else None
+    layout = PoolLayout(spec, dims.num_layers, dims.num_kv_heads, dims.head_dim, block_size, num_blocks, max_seqs,
+                        compact=compact, num_compact_blocks=compact_blocks)
     grouped = layer_groups(model.config, num_blocks, sliding_blocks) if groups else None
+    if compact_blocks and grouped and grouped[0].window:
+        raise UnsupportedModelError("compact_blocks needs global-attention layers (the compact tier holds aged "
+                                    "blocks of the global layer group); this model has only sliding layers.")
     model.set_attn_implementation(ATTN_NAME)
     model.eval()
     return PagedModel(model, layout, grouped)

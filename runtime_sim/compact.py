@@ -1,0 +1,51 @@
+"""The compact tier in the engine (issue 25): a conversation's aged blocks re-quantized in place.
+
+    moved = compact_aged(engine, cid, horizon=1024)
+
+Blocks of the global layer group that lie wholly before the last `horizon` tokens are moved, oldest
+first, into free blocks of the pool's compact region (compile(..., compact_blocks=N)): the records are
+re-quantized from the conversation's spec to the compact spec (toolkit.quant.compact_block, every layer
+of the group), the block table names the compact id (num_blocks + index) and the default block is
+freed. Never moved: the sink block(s) (block 0 at least), the block holding the last token (the fp16
+tail) and any block another conversation also holds (a fork or a cached prefix: it stays in the
+default region for both). It runs between steps; sliding groups are left as they are.
+"""
+
+from __future__ import annotations
+
+from toolkit.block_pool import HOLE
+from toolkit.errors import PagedKVError
+
+
+def compact_aged(engine, cid: int, horizon: int) -> list[tuple[int, int, int]]:
+    """Move conversation cid's aged blocks to the compact region while it has free blocks. Returns
+    (logical block, default id, compact id) of each block moved (ids as in the block table)."""
+    if not isinstance(horizon, int) or horizon < 1:
+        raise PagedKVError(f"horizon {horizon!r} is invalid: give the number of recent tokens kept in the "
+                           "default region (>= 1).")
+    lay = engine.backend.layout
+    pool = engine.pool.main
+    if not pool.num_compact_blocks or engine.groups[0].window:
+        raise PagedKVError("this model has no compact region: compile it with compact_blocks=N to use the "
+                           "compact tier.")
+    if not hasattr(engine.backend, "compact_block"):
+        raise PagedKVError(f"the {getattr(engine.backend, 'name', '?')} backend cannot re-quantize blocks yet: "
+                           "use the torch backend for the compact tier.")
+    conv = engine._conv(cid)
+    if conv.spill is not None:
+        raise PagedKVError(f"conversation {cid} lies in a spill file: restore it (its next turn) before compacting.")
+    bs, n = lay.block_size, pool.num_blocks
+    table = pool.block_table(conv.seq)
+    first = max(1, lay.spec.sink_blocks)
+    last = (pool.length(conv.seq) - horizon) // bs  # blocks i < last end at least horizon tokens back
+    moved = []
+    for i in range(first, last):
+        if not pool.num_free_compact_blocks:
+            break
+        b = table[i]
+        if b == HOLE or b >= n or pool.refcount(b) > 1:
+            continue  # dropped, compact already, or shared with another conversation
+        src, dst = pool.compact(conv.seq, i)
+        engine.backend.compact_block(src, dst - n)
+        moved.append((i, src, dst))
+    return moved
