@@ -356,6 +356,9 @@ def capture(engine, cid: int) -> ConversationData:
     d.codes, d.scales = [None] * d.num_layers, [None] * d.num_layers
     for g, grp in enumerate(d.groups):
         table = pool.block_table(conv.seq, g)[:nb]
+        if any(b >= engine.groups[g].num_blocks for b in table):  # ids of the compact region (issue 25)
+            raise PagedKVError(f"conversation {cid} has blocks in the compact tier: the conversation file does not "
+                               "hold compact records yet; save it before compacting (runtime_sim/compact.py).")
         grp.present = [b >= 0 for b in table]
         ids = np.asarray([b for b in table if b >= 0], np.int64)
         for i in grp.layers:

@@ -515,3 +515,19 @@ def test_compact_aged_errors():
         compact_aged(e, c, 16)
     with pytest.raises(SpecError):
         compile(tiny_model("llama"), "fp16", num_blocks=8, compact_blocks=2)
+
+
+def test_save_of_a_compacted_conversation_is_refused(tmp_path):
+    """The conversation file has no compact records yet: save (and so the adaptive policy's spill, which
+    then takes its next rung) refuses such a conversation with nothing written and the pool unchanged."""
+    from runtime_sim.compact import compact_aged
+
+    e = _compact_engine()
+    c = e.new_conversation()
+    e.prefill(c, list(range(3, 90)))
+    assert compact_aged(e, c, 16)
+    table = e.pool.block_table(e.conversations[c].seq)
+    with pytest.raises(PagedKVError, match="compact tier"):
+        e.save(c, tmp_path / "c.pkv")
+    assert list(tmp_path.iterdir()) == [] and e.pool.block_table(e.conversations[c].seq) == table
+    e.check_invariants()
