@@ -130,16 +130,23 @@ inline void widen_codes_n(const uint8_t* codes, int n, uint8_t add, uint8_t* out
     eight(w, out + i);
   }
 }
-inline void widen_codes(const uint8_t* codes, int bits, int n, uint8_t add, uint8_t* out) {
+// f(std::integral_constant<int, B>()) for a code width B in 2..8 (anything else: 8), so that a widening
+// loop gets its width as a compile-time constant
+template <class F>
+inline void with_bits(int bits, F&& f) {
   switch (bits) {
-    case 2: return widen_codes_n<2>(codes, n, add, out);
-    case 3: return widen_codes_n<3>(codes, n, add, out);
-    case 4: return widen_codes_n<4>(codes, n, add, out);
-    case 5: return widen_codes_n<5>(codes, n, add, out);
-    case 6: return widen_codes_n<6>(codes, n, add, out);
-    case 7: return widen_codes_n<7>(codes, n, add, out);
-    default: return widen_codes_n<8>(codes, n, add, out);
+    case 2: return f(std::integral_constant<int, 2>());
+    case 3: return f(std::integral_constant<int, 3>());
+    case 4: return f(std::integral_constant<int, 4>());
+    case 5: return f(std::integral_constant<int, 5>());
+    case 6: return f(std::integral_constant<int, 6>());
+    case 7: return f(std::integral_constant<int, 7>());
+    default: return f(std::integral_constant<int, 8>());
   }
+}
+
+inline void widen_codes(const uint8_t* codes, int bits, int n, uint8_t add, uint8_t* out) {
+  with_bits(bits, [&](auto b) { widen_codes_n<decltype(b)::value>(codes, n, add, out); });
 }
 
 template <class T, class = void>

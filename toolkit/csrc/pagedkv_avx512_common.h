@@ -71,15 +71,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void widen_vbmi_n(const u
 inline void widen_avx512(const uint8_t* codes, int bits, int n, uint8_t add, uint8_t* out) {
   static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
   if (!vbmi) return impl::widen_codes(codes, bits, n, add, out);
-  switch (bits) {
-    case 2: return widen_vbmi_n<2>(codes, n, add, out);
-    case 3: return widen_vbmi_n<3>(codes, n, add, out);
-    case 4: return widen_vbmi_n<4>(codes, n, add, out);
-    case 5: return widen_vbmi_n<5>(codes, n, add, out);
-    case 6: return widen_vbmi_n<6>(codes, n, add, out);
-    case 7: return widen_vbmi_n<7>(codes, n, add, out);
-    default: return impl::widen_codes(codes, bits, n, add, out);
-  }
+  impl::with_bits(bits, [&](auto b) { widen_vbmi_n<decltype(b)::value>(codes, n, add, out); });
 }
 
 }  // namespace

@@ -211,15 +211,7 @@ void widen_neon_n(const uint8_t* codes, int n, uint8_t add, uint8_t* out) {
 struct NeonFusedOps : NeonOps {
   static constexpr bool kCentredAsym = true;  // asymmetric codes read as u - 2^(b-1) (QuantRun::k_mid)
   static void widen(const uint8_t* codes, int bits, int n, uint8_t add, uint8_t* out) {
-    switch (bits) {
-      case 2: return widen_neon_n<2>(codes, n, add, out);
-      case 3: return widen_neon_n<3>(codes, n, add, out);
-      case 4: return widen_neon_n<4>(codes, n, add, out);
-      case 5: return widen_neon_n<5>(codes, n, add, out);
-      case 6: return widen_neon_n<6>(codes, n, add, out);
-      case 7: return widen_neon_n<7>(codes, n, add, out);
-      default: return impl::widen_codes(codes, bits, n, add, out);
-    }
+    impl::with_bits(bits, [&](auto b) { widen_neon_n<decltype(b)::value>(codes, n, add, out); });
   }
   static void v_accum(const QuantRun& r, const float* p, int ldp, int G, float* acc) {
     if (r.v_bits == 8) {
