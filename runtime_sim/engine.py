@@ -98,6 +98,8 @@ class Counters:
     spill_failures: int = 0  # adaptive: a spill file could not be written (the next rung was taken)
     restores_from_spill: int = 0  # adaptive: a spilled conversation mapped back without prefill
     spill_reprefills: int = 0  # adaptive: a spill file was unreadable; its tokens were prefilled again
+    compactions: int = 0  # adaptive: one conversation's aged blocks re-quantized into the compact region
+    compacted_blocks: int = 0  # blocks those compactions moved (each freed one default block)
 
 
 POLICIES = ("error", "evict", "sliding", "adaptive")
@@ -110,8 +112,14 @@ class Engine:
       re-prefilled on its next turn).
     - "sliding": the conversation drops its oldest blocks after the first `sink_blocks` (positions
       stay as they are), so a chat can go on for ever in a fixed pool.
-    - "adaptive": a ladder, nothing lost before its last rung. First idle conversations are spilled
-      to flash, least recently used first: written with the conversation file writer
+    - "adaptive": a ladder, no token lost before its last rung. On a model compiled with a compact
+      region (compile(..., compact_blocks=N)) and a backend that can re-quantize (compact_block), the
+      first rung compacts: blocks ending at least `compact_horizon` tokens back are moved into the
+      compact region (runtime_sim/compact.py; fewer bits, the tokens stay), idle conversations least
+      recently used first, then the active ones. Then idle conversations are spilled to flash, least
+      recently used first (one holding compact blocks is not: the conversation file has no compact
+      records yet; when nothing else can be spilled, such a conversation is evicted instead, its tokens
+      kept and prefilled again on its next turn): written with the conversation file writer
       (runtime_sim/conversation_file.py) into `spill_dir` (default: a temp dir the engine owns and
       removes), their slot and blocks freed; the conversation keeps its tokens. Its next turn maps
       it back from the file without prefill (the same logits bit for bit), spilling others to make
@@ -121,9 +129,13 @@ class Engine:
     """
 
     def __init__(self, backend: Backend, tokenizer=None, prefill_chunk: int = 64, policy: str = "error",
-                 sink_blocks: int = 1, spill_dir=None):
+                 sink_blocks: int = 1, spill_dir=None, compact_horizon: int = 1024):
         if policy not in POLICIES:
             raise PagedKVError(f"unknown pool policy '{policy}': use one of {', '.join(POLICIES)}.")
+        if not isinstance(compact_horizon, int) or compact_horizon < 1:
+            raise PagedKVError(f"compact_horizon {compact_horizon!r} is invalid: give the number of recent tokens "
+                               "a conversation keeps in the default region (>= 1, e.g. 1024).")
+        self.compact_horizon = compact_horizon  # adaptive: blocks at least this many tokens back may be compacted
         self.policy = policy
         self.sink_blocks = sink_blocks
         self.spill_dir = Path(spill_dir) if spill_dir is not None else None  # None: a temp dir on first spill
@@ -217,9 +229,10 @@ class Engine:
                    slide: bool = True) -> None:
         """Apply the pool policy until every item's reserve will succeed, or raise PoolExhausted. With
         chunk: room to write the items in calls of chunk tokens (sliding layer groups trim in between).
-        slide=False: the policy's lossless rungs only (adaptive: spill, never slide)."""
+        slide=False: the policy's rungs that keep every token only (adaptive: compact and spill, never slide)."""
         active = {id(c) for c, _ in items}
         spill = self.policy == "adaptive"
+        compact = evict_compacted = spill and self._can_compact()
         while True:
             needs = [self.pool.blocks_needed(c.seq, len(t), chunk) for c, t in items]
             frees = self.pool.free_blocks()
@@ -229,10 +242,16 @@ class Engine:
             need, free = sum(n[short[0]] for n in needs), frees[short[0]]
             if self.policy == "evict" and self._evict_one(active):
                 continue
+            if compact:
+                if 0 in short and self._compact_one(items):  # compaction frees blocks of the global group only
+                    continue
+                compact = False  # nothing more is old enough, or the compact region is full: next rung
             if spill:
                 if self._spill_one(active, short):
                     continue
                 spill = False  # nothing left to spill, or a spill file could not be written: next rung
+            if evict_compacted and self._evict_one(active, compacted=True):
+                continue  # a compacted idle conversation cannot be spilled yet: it is re-prefilled instead
             if self.policy in ("sliding", "adaptive") and slide and self._slide(items):
                 continue
             what = f"{sum(len(t) for _, t in items)} new token(s)"
@@ -240,9 +259,11 @@ class Engine:
                 what += f" (policy '{self.policy}' found nothing more to free)"
             raise PoolExhausted(need, free, what)
 
-    def _evict_one(self, active: set[int]) -> bool:
+    def _evict_one(self, active: set[int], compacted: bool = False) -> bool:
+        """compacted=True (adaptive): only a resident conversation holding compact blocks."""
         idle = [c for c in self.conversations.values()
-                if id(c) not in active and self.pool.length(c.seq) > 0]
+                if id(c) not in active and c.spill is None and self.pool.length(c.seq) > 0
+                and (not compacted or self._holds_compact(c))]
         if not idle:
             return False
         victim = min(idle, key=lambda c: c.last_used)
@@ -256,13 +277,15 @@ class Engine:
         return True
 
     def _slide(self, items: list[tuple[Conversation, list[int]]]) -> bool:
-        """Drop the oldest droppable block of the item holding the most blocks."""
+        """Drop the oldest droppable block of the item holding the most blocks. Compact blocks are not
+        dropped (that frees no default block): the oldest default block after them goes."""
         bs = self.pool.block_size
         best = None
+        n = self.groups[0].num_blocks  # ids >= n: compact blocks; dropping one frees no default block
         for conv, _ in items:
             table = self.pool.block_table(conv.seq)
             full = self.pool.length(conv.seq) // bs
-            live = [i for i in range(self.sink_blocks, full) if table[i] >= 0]
+            live = [i for i in range(self.sink_blocks, full) if 0 <= table[i] < n]
             if live and (best is None or len(live) > best[1]):
                 best = (conv, len(live), live[0])
         if best is None:
@@ -272,7 +295,37 @@ class Engine:
         log.info("pool full: dropped logical block %d of the active conversation (sliding)", best[2])
         return True
 
-    # -- the adaptive policy: idle conversations spilled to flash and mapped back ---------------------
+    # -- the adaptive policy: aged blocks compacted, idle conversations spilled to flash and mapped back --
+
+    def _can_compact(self) -> bool:
+        """The compact rung exists: the model has a compact region and the backend can re-quantize into it."""
+        return (bool(self.pool.main.num_compact_blocks) and not self.groups[0].window
+                and hasattr(self.backend, "compact_block"))
+
+    def _compact_one(self, items: list[tuple[Conversation, list[int]]]) -> bool:
+        """Compact the aged blocks of one conversation: the least recently used idle resident one that
+        has any, else one of the items (the conversations about to be written). False if none moved."""
+        from runtime_sim.compact import compact_aged
+
+        if not self.pool.main.num_free_compact_blocks:
+            return False
+        active = [c for c, _ in items]
+        idle = sorted((c for c in self.conversations.values() if c.spill is None and all(c is not a for a in active)),
+                      key=lambda c: c.last_used)
+        by_obj = {id(c): cid for cid, c in self.conversations.items()}
+        for conv in idle + active:
+            moved = compact_aged(self, by_obj[id(conv)], self.compact_horizon)
+            if moved:
+                self.counters.compactions += 1
+                self.counters.compacted_blocks += len(moved)
+                log.info("pool full: compacted %d aged block(s) of %s conversation %d (%d compact blocks free)",
+                         len(moved), "the active" if any(conv is a for a in active) else "idle",
+                         by_obj[id(conv)], self.pool.main.num_free_compact_blocks)
+                return True
+        return False
+
+    def _holds_compact(self, conv: Conversation) -> bool:
+        return any(b >= self.groups[0].num_blocks for b in self.pool.block_table(conv.seq))
 
     def _spill_path(self, cid: int) -> Path:
         if self.spill_dir is None:  # a temp dir of our own, removed with the engine
@@ -297,8 +350,8 @@ class Engine:
         pool and the conversation are as they were)."""
         best = None
         for cid, c in self.conversations.items():
-            if c.spill is not None or id(c) in protect:
-                continue
+            if c.spill is not None or id(c) in protect or self._holds_compact(c):
+                continue  # (the conversation file has no compact records yet: such a conversation stays)
             if short is not None:
                 freed = self._freed_by_release(c.seq)
                 if not any(freed[g] for g in short):
@@ -504,7 +557,10 @@ class Engine:
             ladder=dict(policy=self.policy, evictions=c.evictions, slides=c.slides, spills=c.spills,
                         spill_bytes=c.spill_bytes, spill_failures=c.spill_failures,
                         restores_from_spill=c.restores_from_spill, spill_reprefills=c.spill_reprefills,
-                        spilled_now=len(self.spilled())),
+                        spilled_now=len(self.spilled()), compactions=c.compactions,
+                        compacted_blocks=c.compacted_blocks,
+                        compact_blocks_in_use=self.pool.main.num_compact_blocks
+                        - self.pool.main.num_free_compact_blocks),
         )
         return s
 

@@ -1,4 +1,5 @@
-"""The engine's 'adaptive' pool policy (issue #25's pressure ladder, without the compact tier): idle
+"""The engine's 'adaptive' pool policy (issue #25's pressure ladder): on a model with a compact region,
+aged blocks compacted first (idle conversations LRU first, then the active one); then idle
 conversations spilled to flash (conversation files) and mapped back without prefill, then sliding.
 
 A conversation that was spilled and restored must give the same logits bit for bit as the same
@@ -290,6 +291,126 @@ def test_ladder_state_machine():
     # the machine must reach the spill rungs; the slide rung is driven deterministically by
     # test_spill_write_failure_falls_through_to_slide_with_nothing_lost (random turns rarely outgrow the pool)
     assert all(LadderMachine.taken.get(k) for k in ("spills", "restores_from_spill")), LadderMachine.taken
+
+
+class CompactLadderMachine(LadderMachine):
+    """The same machine on a model with a compact region (8 default + 6 compact blocks) and a 16-token
+    horizon: the compact rung comes first, and a conversation holding compact blocks is never spilled."""
+
+    def __init__(self):
+        super().__init__()
+        if "compact" not in _BACKEND:
+            _BACKEND["compact"] = TorchBackend(compile(tiny_model("llama"), "default", num_blocks=8, max_seqs=3,
+                                                       compact_blocks=6))
+        self.e = Engine(_BACKEND["compact"], prefill_chunk=16, policy="adaptive", spill_dir=self.dir.name,
+                        compact_horizon=16)
+
+    taken: dict[str, int] = {}
+
+    def teardown(self):
+        self.taken["compactions"] = self.taken.get("compactions", 0) + self.e.counters.compactions
+        super().teardown()
+
+    @invariant()
+    def compacted_conversations_stay_resident(self):
+        n = self.e.pool.main.num_blocks
+        for c in self.e.conversations.values():
+            if c.spill is not None:
+                continue
+            assert all(b < n for b in self.e.pool.block_table(c.seq)[:self.e.sink_blocks])  # sinks never move
+            full = self.e.pool.length(c.seq) // self.e.pool.block_size
+            tail = self.e.pool.block_table(c.seq)[full:]
+            assert all(b < n for b in tail), "the block being written is in the compact region"
+
+
+def test_ladder_state_machine_with_the_compact_rung():
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run_state_machine_as_test(CompactLadderMachine, settings=settings(
+        max_examples=4, stateful_step_count=20, deadline=None, derandomize=True, database=None,
+        suppress_health_check=[HealthCheck.too_slow]))
+    assert CompactLadderMachine.taken.get("compactions"), CompactLadderMachine.taken
+
+
+# ------------------------------------------------------------------ the compact rung, deterministic
+
+
+def test_compact_rung_comes_before_spill_and_slide(tmp_path):
+    """10 default + 6 compact blocks, horizon 16: a new chat that needs blocks first compacts the idle
+    chats' aged blocks (LRU first; nothing spilled or slid while that suffices), a chat never compacted
+    gives the logits of a run without pressure bit for bit, and every chat keeps generating. Once the
+    compact region is full, the compacted chats cannot spill (no compact records in the file yet), so the
+    least recently used one is evicted (its tokens kept, prefilled again on its next turn)."""
+    paged = compile(tiny_model("llama"), "default", num_blocks=10, max_seqs=3, compact_blocks=6)
+    e = Engine(TorchBackend(paged), prefill_chunk=16, policy="adaptive", spill_dir=tmp_path, compact_horizon=16)
+    r = torch_engine(32, "error")  # the reference never runs short (no compact region: same bits without one)
+    pa = [(7 * i + 3) % 500 + 3 for i in range(80)]  # 80 tokens: blocks 0..4; aged (ending >= 16 back): 1..3
+    pb = [(11 * i + 5) % 500 + 3 for i in range(80)]
+    pc = PROMPT  # 40 tokens, 3 blocks
+    a, b, c = e.new_conversation(), e.new_conversation(), e.new_conversation()
+    ra, rb, rc = r.new_conversation(), r.new_conversation(), r.new_conversation()
+    assert np.array_equal(e.prefill(a, pa), r.prefill(ra, pa))
+    assert np.array_equal(e.prefill(b, pb), r.prefill(rb, pb))
+    assert e.pool.num_free_blocks == 0
+    e.check_invariants()
+
+    # (a) c needs 3 blocks: a (least recently used) gives its 3 aged blocks, b is left alone
+    assert np.array_equal(e.prefill(c, pc), r.prefill(rc, pc))
+    s = e.stats()["ladder"]
+    assert (s["compactions"], s["compacted_blocks"], s["compact_blocks_in_use"]) == (1, 3, 3)
+    assert (s["spills"], s["slides"], s["spill_failures"]) == (0, 0, 0) and e.spilled() == []
+    n = e.pool.main.num_blocks
+    assert [i for i, x in enumerate(table(e, a)) if x >= n] == [1, 2, 3]
+    assert all(x < n for x in table(e, b) + table(e, c))
+    e.check_invariants()
+
+    # (b) c decodes into a 4th block: a has nothing more old enough, so b (next LRU idle) is compacted
+    for t in range(9):  # c: 40 -> 49 tokens, its 4th block from token 48 on
+        step_both(e, c, r, rc, [60 + t])
+        e.check_invariants()
+    s = e.stats()["ladder"]
+    assert (s["compactions"], s["compacted_blocks"], s["spills"], s["slides"]) == (2, 6, 0, 0)
+    assert [i for i, x in enumerate(table(e, b)) if x >= n] == [1, 2, 3]
+    assert np.array_equal(e.step({c: [70]})[c], r.step({rc: [70]})[rc])  # c, never compacted: same bits
+
+    # compacted chats go on generating (their own greedy tokens; the compact blocks are read)
+    for cid in (a, b):
+        out = list(e.generate(cid, [12], 5))
+        assert len(out) == 5 and all(0 <= t < 512 for t in out)
+        e.check_invariants()
+
+    # compact region full (6/6): the next shortage cannot compact or spill (a and b hold compact blocks),
+    # so a (least recently used) is evicted; no token is lost from any history, nothing slides
+    before = e.stats()["ladder"]
+    assert before["compact_blocks_in_use"] == 6
+    want_a = e.conversations[a].history + e.conversations[a].pending
+    for t in range(20):
+        e.step({c: [80 + t]})
+        e.check_invariants()
+    s = e.stats()["ladder"]
+    assert s["compactions"] == before["compactions"] and s["spills"] == 0 and s["slides"] == 0, (s, before, e.pool.free_blocks())
+    assert s["evictions"] == 1 and s["spill_failures"] == 0  # compacted chats are skipped, not tried and failed
+    ca = e.conversations[a]
+    assert ca.history == [] and ca.pending == want_a and e.stats()["ladder"]["compact_blocks_in_use"] == 3
+    e.prefill(a, [13])  # a comes back by prefill (under the ladder again)
+    assert e.conversations[a].history == want_a + [13]
+    e.check_invariants()
+    for cid in (a, b, c):
+        e.close(cid)
+    e.check_invariants()
+    assert e.pool.num_free_blocks == 10 and e.pool.main.num_free_compact_blocks == 6
+
+
+def test_no_compact_rung_without_a_compact_region(tmp_path):
+    """A model without a compact region: the adaptive ladder is spill then slide, no compaction counted."""
+    e = torch_engine(6, spill_dir=tmp_path, compact_horizon=16)
+    ca, cb = e.new_conversation(), e.new_conversation()
+    e.prefill(ca, PROMPT)
+    e.prefill(cb, PROMPT[::-1] + list(range(60, 69)))
+    s = e.stats()["ladder"]
+    assert s["spills"] == 1 and s["compactions"] == 0 and s["compact_blocks_in_use"] == 0
+    with pytest.raises(PagedKVError, match="compact_horizon"):
+        torch_engine(6, compact_horizon=0)
 
 
 # ------------------------------------------------------------------ the ladder in `pagedkv simulate`
