@@ -37,27 +37,34 @@ INT_ATTRS = tuple(n for n in SCALAR_ARG_NAMES if n not in FLOAT_ATTRS)
 _REF_ATTRS = {"scale": onnx.AttributeProto.FLOAT, "window": onnx.AttributeProto.INT, "softcap": onnx.AttributeProto.FLOAT}
 
 
-def register_schema() -> None:
-    """Tell onnx about the custom op (so the checker and onnxscript accept the node)."""
-    if onnx.defs.has(OP_TYPE, DOMAIN):
+def register_op_schema(op_type: str, tensor_inputs, int_attrs, doc: str) -> None:
+    """Tell onnx about one of our ops (so the checker and onnxscript accept its node): its tensor inputs,
+    the 4 outputs, its int attributes and FLOAT_ATTRS."""
+    if onnx.defs.has(op_type, DOMAIN):
         return
     O = onnx.defs.OpSchema
     schema = O(
-        OP_TYPE,
+        op_type,
         DOMAIN,
         1,
-        doc="Paged attention over a group-wise quantized KV block pool (see toolkit/paged_attention.py).",
-        inputs=[O.FormalParameter(n, "T" + str(i)) for i, n in enumerate(TENSOR_INPUTS)],
+        doc=doc,
+        inputs=[O.FormalParameter(n, "T" + str(i)) for i, n in enumerate(tensor_inputs)],
         outputs=[O.FormalParameter(n, "U" + str(i)) for i, n in enumerate(TENSOR_OUTPUTS)],
         type_constraints=[
             ("T" + str(i), ["tensor(float)", "tensor(float16)", "tensor(uint8)", "tensor(int64)"], "")
-            for i in range(len(TENSOR_INPUTS))
+            for i in range(len(tensor_inputs))
         ]
         + [("U" + str(i), ["tensor(float)", "tensor(float16)", "tensor(uint8)"], "") for i in range(4)],
-        attributes=[O.Attribute(n, O.AttrType.INT) for n in INT_ATTRS]
+        attributes=[O.Attribute(n, O.AttrType.INT) for n in int_attrs]
         + [O.Attribute(n, O.AttrType.FLOAT) for n in FLOAT_ATTRS],
     )
     onnx.defs.register_schema(schema)
+
+
+def register_schema() -> None:
+    """Tell onnx about the custom op (so the checker and onnxscript accept the node)."""
+    register_op_schema(OP_TYPE, TENSOR_INPUTS, INT_ATTRS,
+                       "Paged attention over a group-wise quantized KV block pool (see toolkit/paged_attention.py).")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,10 +114,17 @@ def fallback_function(layout: PoolLayout, num_heads: int) -> tuple[onnx.Function
         _ReferenceForExport(layout), _example_op_inputs(layout, num_heads), dynamo=True, dynamic_shapes=dyn,
         opset_version=OPSET, verbose=False,
     )
+    return function_from_export(prog, OP_TYPE, len(TENSOR_INPUTS), INT_ATTRS)
+
+
+def function_from_export(prog, op_type: str, n_tensor_inputs: int, int_attrs) -> tuple[onnx.FunctionProto, list]:
+    """An exported reference op (its first n_tensor_inputs graph inputs are tensors, then scale, window
+    and softcap) as the FunctionProto pagedkv::op_type: the scalar inputs become attribute references,
+    the initializers constants. Returns (function, helper functions the body calls)."""
     g = prog.model_proto.graph
     names = [i.name for i in g.input]
     nodes = []
-    for name, (attr, kind) in zip(names[len(TENSOR_INPUTS):], _REF_ATTRS.items()):
+    for name, (attr, kind) in zip(names[n_tensor_inputs:], _REF_ATTRS.items()):
         a = onnx.AttributeProto(name="value_float" if kind == onnx.AttributeProto.FLOAT else "value_int",
                                 ref_attr_name=attr, type=kind)
         nodes.append(helper.make_node("Constant", [], [name], name=f"attr_{attr}"))
@@ -119,9 +133,9 @@ def fallback_function(layout: PoolLayout, num_heads: int) -> tuple[onnx.Function
         nodes.append(helper.make_node("Constant", [], [init.name], value=init))
     nodes.extend(g.node)
     fn = helper.make_function(
-        DOMAIN, OP_TYPE, names[: len(TENSOR_INPUTS)], [o.name for o in g.output], nodes,
+        DOMAIN, op_type, names[:n_tensor_inputs], [o.name for o in g.output], nodes,
         opset_imports=list(prog.model_proto.opset_import),
-        attributes=list(INT_ATTRS) + list(FLOAT_ATTRS),
+        attributes=list(int_attrs) + list(FLOAT_ATTRS),
     )
     return fn, list(prog.model_proto.functions)
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import onnx
 import torch
-from onnx import helper
 
-from export.onnx_export import _REF_ATTRS, DOMAIN, FLOAT_ATTRS, OPSET, TENSOR_OUTPUTS
+from export.onnx_export import FLOAT_ATTRS, OPSET, function_from_export, register_op_schema
 from toolkit.paged_attention import COMPACT_SCALAR_ARG_NAMES, SCALAR_ARG_NAMES, reference_paged_attention
 from toolkit.pool_layout import PoolLayout
 
@@ -26,26 +25,9 @@ MIXED_INT_ATTRS = tuple(n for n in SCALAR_ARG_NAMES + COMPACT_SCALAR_ARG_NAMES i
 
 def register_mixed_schema() -> None:
     """Tell onnx about the mixed node (so the checker and onnxscript accept it)."""
-    if onnx.defs.has(MIXED_OP_TYPE, DOMAIN):
-        return
-    O = onnx.defs.OpSchema
-    schema = O(
-        MIXED_OP_TYPE,
-        DOMAIN,
-        1,
-        doc="Paged attention over a quantized KV block pool whose block tables also name compact blocks "
-            "(see toolkit/POOL_FORMAT.md, Compact region).",
-        inputs=[O.FormalParameter(n, "T" + str(i)) for i, n in enumerate(MIXED_TENSOR_INPUTS)],
-        outputs=[O.FormalParameter(n, "U" + str(i)) for i, n in enumerate(TENSOR_OUTPUTS)],
-        type_constraints=[
-            ("T" + str(i), ["tensor(float)", "tensor(float16)", "tensor(uint8)", "tensor(int64)"], "")
-            for i in range(len(MIXED_TENSOR_INPUTS))
-        ]
-        + [("U" + str(i), ["tensor(float)", "tensor(float16)", "tensor(uint8)"], "") for i in range(4)],
-        attributes=[O.Attribute(n, O.AttrType.INT) for n in MIXED_INT_ATTRS]
-        + [O.Attribute(n, O.AttrType.FLOAT) for n in FLOAT_ATTRS],
-    )
-    onnx.defs.register_schema(schema)
+    register_op_schema(MIXED_OP_TYPE, MIXED_TENSOR_INPUTS, MIXED_INT_ATTRS,
+                       "Paged attention over a quantized KV block pool whose block tables also name compact "
+                       "blocks (see toolkit/POOL_FORMAT.md, Compact region).")
 
 
 class _MixedReferenceForExport(torch.nn.Module):
@@ -85,20 +67,4 @@ def mixed_fallback_function(layout: PoolLayout, num_heads: int) -> tuple[onnx.Fu
            None)
     prog = torch.onnx.export(_MixedReferenceForExport(layout), example, dynamo=True, dynamic_shapes=dyn,
                              opset_version=OPSET, verbose=False)
-    g = prog.model_proto.graph
-    names = [i.name for i in g.input]
-    nodes = []
-    for name, (attr, kind) in zip(names[len(MIXED_TENSOR_INPUTS):], _REF_ATTRS.items()):
-        a = onnx.AttributeProto(name="value_float" if kind == onnx.AttributeProto.FLOAT else "value_int",
-                                ref_attr_name=attr, type=kind)
-        nodes.append(helper.make_node("Constant", [], [name], name=f"attr_{attr}"))
-        nodes[-1].attribute.append(a)
-    for init in g.initializer:
-        nodes.append(helper.make_node("Constant", [], [init.name], value=init))
-    nodes.extend(g.node)
-    fn = helper.make_function(
-        DOMAIN, MIXED_OP_TYPE, names[: len(MIXED_TENSOR_INPUTS)], [o.name for o in g.output], nodes,
-        opset_imports=list(prog.model_proto.opset_import),
-        attributes=list(MIXED_INT_ATTRS) + list(FLOAT_ATTRS),
-    )
-    return fn, list(prog.model_proto.functions)
+    return function_from_export(prog, MIXED_OP_TYPE, len(MIXED_TENSOR_INPUTS), MIXED_INT_ATTRS)
