@@ -36,6 +36,13 @@ engine's pool policies (runtime_sim/engine.py) instead of failing when it is ful
   chat is spilled to flash (its present blocks and stage rows, as a conversation file; up to
   `flash_bytes`, default unlimited) and restored without prefill on its next turn, making room by
   spilling others; last, the active chat slides (its oldest block after the sink is dropped: a loss).
+* paged-quant-compact: policy `adaptive` with the compact tier, the engine's whole ladder. The same pool
+  bytes are split: `compact_share` of them hold a compact region (blocks in kv_spec.compact_spec_for the
+  spec: K4/V3 by default, ~0.58x a default block's bytes), the rest default blocks. First the aged
+  blocks (ending at least `compact_horizon` tokens back; never the sink block or the last token's block)
+  of idle chats, least recently used first, then of the active chat move to the compact region; then
+  idle chats are spilled; last, the active chat slides. Compaction loses no token; its cost is
+  fidelity, measured by benchmarks/compact_tier.py (BENCHMARKS.md "The compact tier").
 A chat that is spilled still holds its tokens (tokens_held counts them); an evicted one does not.
 `tokens_before_loss` is the tokens held at the first loss or failure. Only memory is modelled: the
 time to write and read spill files is not.
@@ -55,12 +62,12 @@ from runtime_sim.plan import (
 from toolkit.block_pool import BlockPool
 from toolkit.errors import PoolExhausted, SpecError
 from toolkit.model_dims import ModelDims
-from toolkit.pool_layout import check_block_size
-from toolkit.kv_spec import bytes_per_token, fp16_bytes_per_token, parse_spec
+from toolkit.pool_layout import PoolLayout, check_block_size
+from toolkit.kv_spec import bytes_per_token, compact_spec_for, fp16_bytes_per_token, parse_spec
 
 PAGE = 4096
 STRATEGIES = ("contiguous-fp16", "paged-fp16", "paged-quant")
-LADDER_STRATEGIES = ("paged-quant-evict", "paged-quant-ladder")  # pool pressure handled, not failed
+LADDER_STRATEGIES = ("paged-quant-evict", "paged-quant-ladder", "paged-quant-compact")  # pressure handled, not failed
 MAX_HOLES = 128  # holes at fragmentation 1.0
 
 
@@ -244,7 +251,9 @@ class SimConfig:
     p_new: float = 0.12  # chance a step opens a new chat (when fewer than `chats` are alive)
     p_clear: float = 0.01  # chance a step clears a chat
     model: str | None = None  # model for the dims (default SmolLM2-135M)
-    flash_bytes: int | None = None  # paged-quant-ladder: flash for spill files (None = unlimited)
+    flash_bytes: int | None = None  # paged-quant-ladder/-compact: flash for spill files (None = unlimited)
+    compact_share: float = 0.5  # paged-quant-compact: fraction of the pool bytes in the compact region
+    compact_horizon: int = 1024  # paged-quant-compact: recent tokens a chat keeps in default blocks
 
     def free_bytes(self) -> int:
         f = float(self.free)
@@ -262,6 +271,12 @@ class SimConfig:
         check_block_size(self.block_size)
         if self.app_churn < 0:
             raise SpecError(f"--app-churn {self.app_churn}: use a rate >= 0 (events per turn).")
+        if not 0 < self.compact_share < 1:
+            raise SpecError(f"--compact-share {self.compact_share}: give the fraction of the pool bytes for the "
+                            "compact region, between 0 and 1 (e.g. 0.5).")
+        if self.compact_horizon < 1:
+            raise SpecError(f"--compact-horizon {self.compact_horizon}: give the recent tokens kept in default "
+                            "blocks (>= 1, e.g. 1024).")
         self.free_bytes()
         return self
 
@@ -484,26 +499,85 @@ class Paged(_Strategy):
         }
 
 
+def compact_split_layout(layout: PoolLayout, budget: int, share: float) -> PoolLayout:
+    """`layout` (all default blocks, within budget) with `share` of its block bytes moved to a compact
+    region (kv_spec.compact_spec_for its spec), the whole still within budget."""
+    compact = compact_spec_for(layout.spec, layout.head_dim)
+    num_blocks = max(1, round(layout.num_blocks * (1 - share)))
+    default_block = layout.bytes_per_token * layout.block_size
+    compact_block = bytes_per_token(compact, layout.num_kv_heads, layout.head_dim, layout.num_layers) * layout.block_size
+    n = (layout.num_blocks - num_blocks) * default_block // compact_block
+    while n > 0:
+        split = PoolLayout(layout.spec, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size,
+                           num_blocks, layout.max_seqs, compact=compact, num_compact_blocks=n)
+        if split.total_bytes <= budget:
+            return split
+        n -= 1
+    raise SpecError(f"a compact share of {share} leaves no compact block in this pool: raise --pool-mb or the share.")
+
+
 class PagedPressure(Paged):
-    """paged-quant's pool under a pool policy (module docstring): 'evict' or 'ladder' (spill, then slide)."""
+    """paged-quant's pool under a pool policy (module docstring): 'evict', 'ladder' (spill, then slide) or
+    'compact' (compact aged blocks, then spill, then slide)."""
 
     def __init__(self, ram, dims, cfg, name: str, mode: str):
         super().__init__(ram, dims, cfg, name, cfg.quant_spec)
         self.mode = mode
+        self.compact_block_bytes = 0
+        if mode == "compact":
+            budget = cfg.pool_bytes if cfg.pool_bytes is not None else 2 * contiguous_buffer_bytes(dims, cfg.ctx)
+            self.layout = compact_split_layout(self.layout, budget, cfg.compact_share)
+            self.pool = BlockPool(self.layout.num_blocks, cfg.block_size, cfg.chats, self.layout.num_compact_blocks)
+            self.compact_block_bytes = self.layout.compact_bytes_per_token * cfg.block_size
         self.clock = 0
         self.last_used: dict[int, int] = {}
-        self.spilled: dict[int, tuple[int, set[int], int]] = {}  # conv -> (tokens, dropped blocks, file bytes)
+        # conv -> (tokens, dropped blocks, compact blocks, file bytes)
+        self.spilled: dict[int, tuple[int, set[int], set[int], int]] = {}
         self.evicted: dict[int, int] = {}  # conv -> tokens to prefill again on its next turn
         self.flash_used = self.peak_flash = 0
         self.counts = {"evictions": 0, "reprefilled_tokens": 0, "spills": 0, "spill_failures": 0,
-                       "restores": 0, "slides": 0}
+                       "restores": 0, "slides": 0, "compactions": 0, "compacted_blocks": 0}
+
+    def _is_compact(self, block: int) -> bool:
+        return block >= self.pool.num_blocks
 
     def _spill_bytes(self, seq: int) -> int:
-        present = sum(1 for b in self.pool.block_table(seq) if b >= 0)
-        return present * self.block_bytes + self.layout.stage_bytes_per_sequence
+        table = self.pool.block_table(seq)
+        default = sum(1 for b in table if 0 <= b < self.pool.num_blocks)
+        compact = sum(1 for b in table if self._is_compact(b))
+        return default * self.block_bytes + compact * self.compact_block_bytes + self.layout.stage_bytes_per_sequence
+
+    def _compact_aged(self, conv: int) -> int:
+        """runtime_sim.compact.compact_aged's choice of blocks: full blocks ending at least the horizon
+        back, oldest first, never the sink block or one already compact; while compact blocks are free."""
+        seq = self.seqs[conv]
+        table = self.pool.block_table(seq)
+        last = (self.pool.length(seq) - self.cfg.compact_horizon) // self.cfg.block_size
+        moved = 0
+        for i in range(1, last):
+            if not self.pool.num_free_compact_blocks:
+                break
+            if 0 <= table[i] < self.pool.num_blocks:
+                self.pool.compact(seq, i)
+                moved += 1
+        return moved
+
+    def _compact_one(self, active: int) -> bool:
+        """The compact rung: the aged blocks of the least recently used idle chat that has any, else the
+        active chat's."""
+        order = sorted((c for c in self.seqs if c != active), key=lambda c: self.last_used.get(c, 0)) + [active]
+        for conv in order:
+            moved = self._compact_aged(conv)
+            if moved:
+                self.counts["compactions"] += 1
+                self.counts["compacted_blocks"] += moved
+                return True
+        return False
 
     def _relieve(self, active: int) -> bool:
         """One rung of the policy; False when nothing more can be freed."""
+        if self.mode == "compact" and self.pool.num_free_compact_blocks and self._compact_one(active):
+            return True
         idle = [c for c, seq in self.seqs.items() if c != active and self.pool.length(seq) > 0]
         victim = min(idle, key=lambda c: self.last_used.get(c, 0)) if idle else None
         if self.mode == "evict":
@@ -520,7 +594,8 @@ class PagedPressure(Paged):
             size = self._spill_bytes(seq)
             if self.cfg.flash_bytes is None or self.flash_used + size <= self.cfg.flash_bytes:
                 table = self.pool.block_table(seq)
-                self.spilled[victim] = (self.pool.length(seq), {i for i, b in enumerate(table) if b < 0}, size)
+                self.spilled[victim] = (self.pool.length(seq), {i for i, b in enumerate(table) if b < 0},
+                                        {i for i, b in enumerate(table) if self._is_compact(b)}, size)
                 self.flash_used += size
                 self.peak_flash = max(self.peak_flash, self.flash_used)
                 self.pool.release(seq)
@@ -530,7 +605,8 @@ class PagedPressure(Paged):
             self.counts["spill_failures"] += 1  # flash full: the next rung
         seq, bs = self.seqs[active], self.cfg.block_size
         table = self.pool.block_table(seq)
-        live = [i for i in range(1, self.pool.length(seq) // bs) if table[i] >= 0]  # block 0 is the sink
+        # block 0 is the sink; a compact block is not dropped (that frees no default block)
+        live = [i for i in range(1, self.pool.length(seq) // bs) if 0 <= table[i] < self.pool.num_blocks]
         if not live:
             return False
         self.losses.append({"kind": "slide", "tokens_held": self.tokens_held()})
@@ -547,8 +623,9 @@ class PagedPressure(Paged):
                     raise
 
     def _restore(self, conv: int) -> None:
-        """Map a spilled chat back block by block (its holes dropped as they pass), spilling others."""
-        n, holes, size = self.spilled.pop(conv)
+        """Map a spilled chat back block by block (its holes dropped as they pass, its compact blocks
+        back in the compact region while it has room), spilling others."""
+        n, holes, compact, size = self.spilled.pop(conv)
         self.flash_used -= size  # read back and deleted (if the restore fails, the chat is dropped)
         self.seqs[conv] = seq = self.pool.new_sequence()
         bs = self.cfg.block_size
@@ -556,6 +633,8 @@ class PagedPressure(Paged):
             self._admit_room(conv, min(bs, n - i * bs))
             if i in holes:
                 self.pool.drop_blocks(seq, [i])
+            elif i in compact and self.pool.num_free_compact_blocks:
+                self.pool.compact(seq, i)
         self.counts["restores"] += 1
 
     def grow(self, conv, user, assistant):
@@ -582,22 +661,35 @@ class PagedPressure(Paged):
 
     def close(self, conv):
         if conv in self.spilled:
-            self.flash_used -= self.spilled.pop(conv)[2]
+            self.flash_used -= self.spilled.pop(conv)[3]
         else:
             self.pool.release(self.seqs.pop(conv))
         self.evicted.pop(conv, None)
         self.lengths.pop(conv, None)
 
     def tokens_held(self):
-        return super().tokens_held() + sum(n for n, _, _ in self.spilled.values())
+        return super().tokens_held() + sum(s[0] for s in self.spilled.values())
+
+    def bytes_in_use(self):
+        compact = self.pool.num_compact_blocks - self.pool.num_free_compact_blocks
+        return super().bytes_in_use() + compact * self.compact_block_bytes
+
+    def capacity_assigned(self):
+        compact = self.pool.num_compact_blocks - self.pool.num_free_compact_blocks
+        return super().capacity_assigned() + compact * self.cfg.block_size
 
     def resident_tokens(self):
         return super().tokens_held()
 
     def info(self):
-        return {**super().info(), "policy": {"paged-quant-evict": "evict", "paged-quant-ladder": "adaptive"}[self.name],
-                "pressure": dict(self.counts), "peak_flash_bytes": self.peak_flash,
-                "flash_bytes": self.cfg.flash_bytes}
+        out = {**super().info(), "policy": "evict" if self.mode == "evict" else "adaptive",
+               "pressure": dict(self.counts), "peak_flash_bytes": self.peak_flash, "flash_bytes": self.cfg.flash_bytes}
+        if self.mode == "compact":
+            out.update(compact_spec=self.layout.compact.describe(), num_compact_blocks=self.layout.num_compact_blocks,
+                       compact_bytes_per_token=self.layout.compact_bytes_per_token,
+                       compact_horizon=self.cfg.compact_horizon, capacity_tokens=(
+                           self.layout.num_blocks + self.layout.num_compact_blocks) * self.cfg.block_size)
+        return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -615,6 +707,8 @@ def _make_strategy(name: str, ram: AddressSpace, dims: ModelDims, cfg: SimConfig
         return PagedPressure(ram, dims, cfg, name, "evict")
     if name == "paged-quant-ladder":
         return PagedPressure(ram, dims, cfg, name, "ladder")
+    if name == "paged-quant-compact":
+        return PagedPressure(ram, dims, cfg, name, "compact")
     raise SpecError(f"unknown strategy '{name}': choose from {', '.join(STRATEGIES + LADDER_STRATEGIES)}.")
 
 
@@ -767,7 +861,8 @@ def to_json(result: dict, with_series: bool = True) -> dict:
 
 
 COLORS = {"contiguous-fp16": "tab:red", "paged-fp16": "tab:orange", "paged-quant": "tab:green",
-          "paged-quant-evict": "tab:purple", "paged-quant-ladder": "tab:blue"}
+          "paged-quant-evict": "tab:purple", "paged-quant-ladder": "tab:blue",
+          "paged-quant-compact": "tab:cyan"}
 
 
 def plot(result: dict, path) -> None:

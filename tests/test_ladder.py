@@ -417,10 +417,10 @@ def test_no_compact_rung_without_a_compact_region(tmp_path):
 
 
 def test_simulate_ladder_holds_more_than_evict_before_a_loss():
-    from runtime_sim.simulate import LADDER_STRATEGIES, SimConfig, simulate, to_json
+    from runtime_sim.simulate import SimConfig, simulate, to_json
 
     cfg = SimConfig(turns=250, chats=12, seed=3)
-    res = simulate(cfg, ("paged-quant",) + LADDER_STRATEGIES)
+    res = simulate(cfg, ("paged-quant", "paged-quant-evict", "paged-quant-ladder"))
     for r in res["strategies"]:
         r["_pool"].check_invariants()
     quant, evict, ladder = to_json(res, with_series=False)["strategies"]

@@ -181,3 +181,59 @@ def test_plot_writes_png(tmp_path):
     path = tmp_path / "sim.png"
     plot(result, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- the compact ladder
+
+
+def test_compact_split_layout_keeps_the_budget():
+    from runtime_sim.simulate import compact_split_layout
+    from runtime_sim.plan import blocks_for_budget, pool_layout
+    from toolkit.kv_spec import parse_spec
+
+    spec = parse_spec("default")[1]
+    budget = 120 * 2**20
+    full = pool_layout(spec, SMOL, blocks_for_budget(spec, SMOL, budget, 16, 8), 16, 8)
+    for share in (0.1, 0.5, 0.9):
+        split = compact_split_layout(full, budget, share)
+        assert split.total_bytes <= budget and split.num_compact_blocks > 0
+        assert split.num_blocks == max(1, round(full.num_blocks * (1 - share)))
+        # the compact region holds more tokens than the default blocks it replaced, in fewer bytes
+        assert split.num_compact_blocks > full.num_blocks - split.num_blocks
+        assert split.compact_bytes_per_token < split.bytes_per_token
+    with pytest.raises(SpecError, match="--compact-share"):
+        simulate(SimConfig(compact_share=1.0, turns=5))
+    with pytest.raises(SpecError, match="--compact-horizon"):
+        simulate(SimConfig(compact_horizon=0, turns=5))
+
+
+def test_compact_ladder_holds_more_in_ram_than_evict():
+    """RAM only (no flash): the compact rung is what lets the pool hold more; it loses no token, and
+    only blocks the horizon rule allows are compact (never a chat's block 0 or its last block)."""
+    cfg = SimConfig(chats=16, turns=250, seed=1, flash_bytes=0)
+    res = simulate(cfg, strategies=("paged-quant-evict", "paged-quant-compact"))
+    evict, comp = res["strategies"]
+    pool = comp["_pool"]
+    pool.check_invariants()
+    p = comp["pressure"]
+    assert p["compactions"] > 0 and p["compacted_blocks"] > 0 and p["spills"] == 0 and p["evictions"] == 0
+    assert comp["pool_bytes"] <= res["params"]["pool_bytes"]  # the same budget as evict's pool
+    assert comp["peak_tokens_before_loss"] > evict["peak_tokens_before_loss"]
+    assert pool.num_compact_blocks == comp["num_compact_blocks"] > 0
+    for seq in pool.live_sequences():
+        table, n = pool.block_table(seq), pool.length(seq)
+        compact = [i for i, b in enumerate(table) if b >= pool.num_blocks]
+        assert 0 not in compact
+        # compacted when aged: ended >= the horizon back at the time, so never within the last horizon now
+        assert all((i + 1) * cfg.block_size <= n - cfg.compact_horizon for i in compact)
+
+
+def test_compact_ladder_spills_with_flash():
+    cfg = SimConfig(chats=8, turns=300, seed=0, pool_bytes=120 * 2**20)
+    evict, ladder, comp = to_json(simulate(cfg, strategies=("paged-quant-evict", "paged-quant-ladder",
+                                                            "paged-quant-compact")), with_series=False)["strategies"]
+    p = comp["pressure"]
+    assert p["compactions"] > 0 and p["spills"] > 0 and p["restores"] > 0 and comp["losses"] == 0
+    assert comp["turns_served"] == cfg.turns
+    assert comp["peak_tokens_before_loss"] >= 1.8 * evict["peak_tokens_before_loss"]
+    assert comp["compact_spec"] and comp["compact_horizon"] == 1024

@@ -482,7 +482,14 @@ def simulate_cmd(
     no_plot: bool = typer.Option(False, "--no-plot", help="Do not write the plot."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object {params, strategies} on stdout."),
     ladder: bool = typer.Option(False, "--ladder", help="Also run the quantized pool under pool pressure: "
-                                "paged-quant-evict (policy evict) and paged-quant-ladder (adaptive: spill, then slide)."),
+                                "paged-quant-evict (policy evict), paged-quant-ladder (adaptive: spill, then slide) and "
+                                "paged-quant-compact (adaptive with the compact tier: compact aged blocks, spill, slide)."),
+    flash_mb: Optional[float] = typer.Option(None, "--flash-mb", help="--ladder: flash for spill files in MiB "
+                                             "(default unlimited; 0 = no spilling)."),
+    compact_share: float = typer.Option(0.5, "--compact-share", help="paged-quant-compact: fraction of the pool "
+                                        "bytes in the compact region (the same total bytes)."),
+    compact_horizon: int = typer.Option(1024, "--compact-horizon", help="paged-quant-compact: recent tokens each "
+                                        "chat keeps in default blocks; older blocks may be compacted."),
 ):
     """Phone-memory simulation: contiguous fp16 vs paged fp16 vs paged quantized KV on one chat trace and
     fragmented RAM."""
@@ -493,6 +500,9 @@ def simulate_cmd(
     check_number("--turns", turns, 1, 1 << 24)
     check_number("--app-churn", app_churn, 0, 1000)
     check_number("--seed", seed, 0, 2**63 - 1)
+    check_number("--flash-mb", flash_mb, 0, 2**30)
+    check_number("--compact-share", compact_share, 0, 1, lo_open=True)
+    check_number("--compact-horizon", compact_horizon, 1, 1 << 24)
     if not no_plot:  # before the simulation, not after it
         plot = check_output_file("--plot", plot, (".png", ".svg", ".pdf", ".jpg", ".jpeg"))
     import json
@@ -506,6 +516,8 @@ def simulate_cmd(
         ram_bytes=parse_size(ram), free=parse_free(free), fragmentation=fragmentation, seed=seed, turns=turns,
         chats=chats, ctx=ctx, pool_bytes=None if pool_mb is None else int(pool_mb * 2**20), quant_spec=spec,
         block_size=block_size, app_churn=app_churn, model=model,
+        flash_bytes=None if flash_mb is None else int(flash_mb * 2**20), compact_share=compact_share,
+        compact_horizon=compact_horizon,
     )
     result = simulate(cfg, STRATEGIES + LADDER_STRATEGIES if ladder else STRATEGIES)
     if not no_plot:
