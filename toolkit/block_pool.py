@@ -348,6 +348,17 @@ class BlockPool:
         self._decref(block)
         return block, dst
 
+    def forget_cached(self, block: int) -> None:
+        """Drop a free default block's prefix-cache entry: for a block committed but never written (a
+        restore commits every logical block, then drops the file's holes and compacts its compact blocks
+        without writing their default records), so no new sequence can share its stale records."""
+        if not 0 <= block < self.num_blocks or self._refcount[block]:
+            raise PoolStateError(f"forget_cached({block!r}): only a free block of the default region can be forgotten")
+        h = self._block_hash[block]
+        if h is not None and self._cache.get(h) == block:
+            del self._cache[h]
+        self._block_hash[block] = self._block_key[block] = None
+
     @property
     def num_free_compact_blocks(self) -> int:
         return len(self._compact_free)
