@@ -157,6 +157,8 @@ def eval_(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of a table."),
     bos: Optional[bool] = typer.Option(None, "--bos/--no-bos", help="BOS as every window's first token, as "
                                        "llama.cpp's perplexity does. Default: when the tokenizer adds one (Gemma)."),
+    kernel: str = typer.Option("native", "--kernel", help="The op of the spec rows: native (the C++ core, minutes) "
+                               "or reference (its plain-PyTorch definition, ~10x slower; the same numbers to ~1e-4)."),
 ):
     """Fidelity of KV specs (and of exported artifacts' weight formats) vs the unquantized pool of the fp32
     model: PPL, KL divergence, top-1 agreement (teacher-forced)."""
@@ -165,6 +167,8 @@ def eval_(
     check_number("--threads", threads, 0, None, what=" (0 = the runtime's default)")
     if backend not in ("onnxruntime", "executorch"):
         _bad(f"unknown backend '{backend}' for --artifacts: use onnxruntime or executorch.")
+    if kernel not in ("native", "reference"):
+        _bad(f"unknown --kernel '{kernel}': use native (the C++ core) or reference (plain PyTorch).")
     from toolkit.kv_spec import resolve_spec
 
     for item in spec or []:
@@ -199,7 +203,7 @@ def eval_(
         specs = list(DEFAULT_SPECS)
     hf_model, tokenizer = load_model(model)
     result = evaluate(hf_model, tokenizer, content, ctx, specs, windows, block_size, model_name=model, bos=bos,
-                      artifacts=artifacts, backend=backend, threads=threads)
+                      artifacts=artifacts, backend=backend, threads=threads, kernel=kernel)
     if as_json:
         print(json.dumps(result))
     else:
