@@ -19,7 +19,7 @@ venv: $(STAMP)
 include toolkit/csrc/build.mk
 
 demo: venv native
-	$(BIN)/python -m toolkit.demo
+	$(BIN)/python -m runtime_sim.demo
 
 pytest: venv native
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile

@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.e2e import cpu_model  # noqa: E402
+from runtime_sim.eval_artifacts import open_artifact  # noqa: E402
 from toolkit.fidelity import evaluate_ids, markdown_table, tokenize, tokenizer_bos  # noqa: E402
 
 DEFAULT_TEXT = REPO / ".." / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
@@ -37,7 +38,7 @@ def cached_export(model_name: str, model, tokenizer, weights: str, spec: str, po
     """The ONNX export of `weights` under the cache, made when missing or not matching."""
     from export.artifacts import PoolRequest, export_artifacts
     from toolkit.errors import PagedKVError
-    from toolkit.fidelity import model_identity
+    from runtime_sim.eval_artifacts import model_identity
     from toolkit.kv_spec import resolve_spec
     from toolkit.manifest import check_same_model, layout_from_manifest, read_manifest
 
@@ -158,8 +159,9 @@ def main(argv=None) -> int:
     ids = tokenize(tokenizer, args.text.read_text(encoding="utf-8"))
     bos_id = tokenizer_bos(tokenizer)
     t0 = time.perf_counter()
+    rows = [open_artifact(a, model, args.model, args.ctx, args.backend, args.threads) for a in arts]
     res = evaluate_ids(model, ids, args.ctx, [args.spec], args.windows, model_name=args.model, bos_id=bos_id,
-                       artifacts=arts, threads=args.threads, backend=args.backend)
+                       extra_rows=rows)
     seconds = time.perf_counter() - t0
     cpu = cpu_model()
     res.update(

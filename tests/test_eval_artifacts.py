@@ -12,6 +12,7 @@ from export.artifacts import PoolRequest, export_artifacts
 from tests.test_model_loading import WORDS, save_tiny_hf_dir, tiny_tokenizer
 from toolkit.cli import app
 from toolkit.errors import ArtifactError
+from runtime_sim.eval_artifacts import open_artifact
 from toolkit.fidelity import evaluate_ids
 from toolkit.manifest import read_manifest, write_manifest
 from toolkit.model_loading import load_model
@@ -50,8 +51,9 @@ def _eval(setup, artifacts, specs=()):
     d, _ = setup
     model, tok = load_model(str(d / "m"))
     ids = tok((d / "t.txt").read_text(), add_special_tokens=False)["input_ids"]
+    rows = [open_artifact(a, model, str(d / "m"), CTX) for a in artifacts]
     return evaluate_ids(model, ids, CTX, list(specs), WINDOWS, model_name=str(d / "m"), progress=False,
-                        artifacts=artifacts)
+                        extra_rows=rows)
 
 
 def test_fp32_export_equals_the_reference_and_int4_costs_a_stable_kld(setup):
@@ -81,7 +83,7 @@ def test_default_kv_export_sits_beside_its_pytorch_row(setup):
     model, tok = load_model(str(d / "m"))
     ids = tok((d / "t.txt").read_text(), add_special_tokens=False)["input_ids"]
     res = evaluate_ids(model, ids, 32, ["default"], 1, model_name=str(d / "m"), progress=False,
-                       artifacts=[arts["small-pool"]])
+                       extra_rows=[open_artifact(arts["small-pool"], model, str(d / "m"), 32)])
     ref, torch_row, onnx_row = res["results"]
     assert onnx_row["spec"] == "onnx fp32 / default" and onnx_row["kv_spec"] == "default"
     assert onnx_row["bytes_per_token_vs_fp16"] == torch_row["bytes_per_token_vs_fp16"] < 0.5
@@ -157,8 +159,7 @@ def test_open_artifact_api_errors(setup):
     d, arts = setup
     model, _ = load_model(str(d / "m"))
     with pytest.raises(ArtifactError, match="its pool holds"):
-        evaluate_ids(model, list(range(3, 200)), CTX, [], 1, model_name=str(d / "m"), progress=False,
-                     artifacts=[arts["small-pool"]])
+        open_artifact(arts["small-pool"], model, str(d / "m"), CTX)
 
 
 def test_pte_export_on_executorch_equals_the_reference(setup):
@@ -168,11 +169,11 @@ def test_pte_export_on_executorch_equals_the_reference(setup):
                      max_tokens_per_call=32)
     model, tok = load_model(str(d / "m"))
     ids = tok((d / "t.txt").read_text(), add_special_tokens=False)["input_ids"]
-    res = evaluate_ids(model, ids, CTX, [], WINDOWS, model_name=str(d / "m"), progress=False, artifacts=[d / "pte"],
-                       backend="executorch")
+    res = evaluate_ids(model, ids, CTX, [], WINDOWS, model_name=str(d / "m"), progress=False,
+                       extra_rows=[open_artifact(d / "pte", model, str(d / "m"), CTX, backend="executorch")])
     ref, pte = res["results"]
     assert pte["spec"] == "pte fp32 / fp32" and pte["backend"] == "executorch"
     assert pte["ppl"] == pytest.approx(ref["ppl"], rel=2e-5)
     assert abs(pte["kld_mean"]) < 1e-6
     with pytest.raises(ArtifactError, match="has no onnx artifact for the onnxruntime backend"):
-        evaluate_ids(model, ids, CTX, [], 1, model_name=str(d / "m"), progress=False, artifacts=[d / "pte"])
+        open_artifact(d / "pte", model, str(d / "m"), CTX)

@@ -241,3 +241,21 @@ def test_plan_says_a_budget_under_the_minimum_does_not_fit():
     assert row["num_blocks"] == 0 and not row["fits"]
     row = plan(SMOL, one_block + 16 * bytes_per_token(spec, 3, 64, 30), ["default"])["specs"][0]
     assert row["num_blocks"] == MIN_POOL_BLOCKS and row["fits"]
+
+
+def test_toolkit_imports_nothing_above_it():
+    """toolkit/ is the bottom layer: no module in it imports export/ or runtime_sim/ (at import time or
+    lazily), except the CLI, the one entry point that sits on top of everything."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "toolkit"
+    upward = []
+    for path in sorted(root.glob("*.py")):
+        if path.name == "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            upward += [f"{path.name}:{node.lineno} {n}" for n in names if n.split(".")[0] in ("export", "runtime_sim")]
+    assert upward == [], f"toolkit imports upward: {upward}"

@@ -177,7 +177,8 @@ def eval_(
     from pathlib import Path
 
     from toolkit.errors import ArtifactError
-    from toolkit.fidelity import DEFAULT_SPECS, evaluate, read_artifact_manifest, rich_table, spec_name
+    from runtime_sim.eval_artifacts import open_artifact, read_artifact_manifest
+    from toolkit.fidelity import DEFAULT_SPECS, evaluate, rich_table, spec_name
     from toolkit.manifest import MANIFEST_NAME, layout_from_manifest
 
     artifacts = [Path(a).expanduser() for a in artifacts or []]
@@ -202,8 +203,9 @@ def eval_(
     else:
         specs = list(DEFAULT_SPECS)
     hf_model, tokenizer = load_model(model)
+    rows = [open_artifact(a, hf_model, model, ctx, backend, threads) for a in artifacts]
     result = evaluate(hf_model, tokenizer, content, ctx, specs, windows, block_size, model_name=model, bos=bos,
-                      artifacts=artifacts, backend=backend, threads=threads, kernel=kernel)
+                      extra_rows=rows, kernel=kernel)
     if as_json:
         print(json.dumps(result))
     else:

@@ -17,8 +17,9 @@ Method (the numbers in DESIGN.md were measured the same way):
 A spec is a preset name ("default", "q8_0-q4_0", ...) or a preset with field overrides,
 "default:v_group=16,v_sym=true" (fields of KVQuantSpec), which names the row as written.
 
-Exported artifacts (`artifacts=[dir, ...]`, `pagedkv eval MODEL --artifacts DIR`) add one row each,
-scored the same way against the same reference rows: the windows run through the artifact's own
+Extra rows (`extra_rows=[...]`: objects with name, spec, info and window_logits(window) -> logits;
+runtime_sim.eval_artifacts.open_artifact makes one per exported artifacts dir, as `pagedkv eval MODEL
+--artifacts DIR` does) are scored the same way against the same reference rows: the windows run through the artifact's own
 runtime (runtime_sim's Engine on onnxruntime or ExecuTorch, as the chat runs it: prefill in chunks of
 the engine's prefill size, the pool laid out as the manifest says), so a row shows what the weight
 format (fp32 / int4 / int4-e4 / 8da4w ...) and the exported KV spec cost together. The artifact must
@@ -33,7 +34,7 @@ import time
 
 import torch
 
-from toolkit.errors import ArtifactError, PagedKVError, SpecError
+from toolkit.errors import PagedKVError, SpecError
 from toolkit.kv_spec import DEFAULT_SPECS, parse_spec  # noqa: F401  (part of this module's interface)
 from toolkit.quant import bytes_per_token, fp16_bytes_per_token
 
@@ -93,14 +94,12 @@ def evaluate_ids(
     progress: bool = True,
     bos_id: int | None = None,
     kernel: str = "native",
-    artifacts: list | None = None,
-    backend: str = "onnxruntime",
-    threads: int = 0,
+    extra_rows: list | None = None,
 ) -> dict:
     """Like `evaluate`, on token ids already cut from a text (no tokenizer needed); bos_id replaces
-    each window's first token. artifacts: exported artifacts dirs, one row each after the specs' (run
-    on `backend` with `threads`; the row also has "artifact", "format", "weights", "kv_spec",
-    "weights_file_bytes", "backend")."""
+    each window's first token. extra_rows: one row each after the specs' (an exported artifact:
+    runtime_sim.eval_artifacts.open_artifact; its row also has the row's `info`: "artifact", "format",
+    "weights", "kv_spec", "weights_file_bytes", "backend")."""
     from toolkit.compiler import compile, model_dims  # heavy import (transformers)
 
     ids = torch.as_tensor(ids, dtype=torch.int64).flatten()
@@ -127,7 +126,7 @@ def evaluate_ids(
             spec.validate(dims.head_dim)
         except SpecError as e:
             raise SpecError(f"spec '{name}': {e}") from None
-    arts = [open_artifact(a, model, model_name or _model_name(model), ctx, backend, threads) for a in artifacts or []]
+    arts = list(extra_rows or [])
     num_blocks = -(-ctx // block_size)
     # one block table for all layers (groups=False): a window of ctx tokens needs every block anyway
     paged = {name: compile(model, spec, block_size=block_size, num_blocks=num_blocks, max_seqs=1, groups=False)
@@ -200,124 +199,11 @@ def score_windows(runners, ids: torch.Tensor, ctx: int, windows: int, bos_id: in
     return nll, kld, agree, count
 
 
-# ----------------------------------------------------------------------------------------------
-# Exported artifacts as rows
-
-
-def read_artifact_manifest(art_dir, backend: str | None = None) -> dict:
-    """The artifacts dir's validated manifest (toolkit.manifest.read_manifest: digest, sections, file
-    names), with an artifact for `backend` when given; read before any model loads so that a wrong
-    dir fails at once."""
-    from pathlib import Path
-
-    from toolkit.manifest import read_manifest
-
-    art_dir = Path(art_dir)
-    if not art_dir.is_dir():
-        raise ArtifactError(f"--artifacts {art_dir} is not a directory: give a directory made by `pagedkv export`.")
-    manifest = read_manifest(art_dir, require=("model", "pool"))
-    kind = "pte" if backend == "executorch" else "onnx"
-    if backend is not None and kind not in manifest["artifacts"]:
-        have = ", ".join(manifest["artifacts"]) or "none"
-        fix = "pass --backend executorch" if "pte" in manifest["artifacts"] else "export it with --format " + kind
-        raise ArtifactError(f"{art_dir} has no {kind} artifact for the {backend} backend (it has: {have}): {fix}.")
-    return manifest
-
-
 def spec_name(spec) -> str:
     """A preset's name when the spec is one, else its description."""
     from toolkit.kv_spec import PRESETS
 
     return next((name for name, p in PRESETS.items() if p == spec), spec.describe())
-
-
-class _KeepLogits:
-    """The engine's backend, keeping every call's logits [T, vocab]: the engine asks for each
-    conversation's last row only (what a chat needs), teacher forcing needs them all."""
-
-    def __init__(self, backend):
-        self.inner = backend
-        self.calls = []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def forward(self, ids, positions, seq_ids, tables, rows=None):
-        out = self.inner.forward(ids, positions, seq_ids, tables)
-        self.calls.append(out)
-        return out if rows is None else out[rows]
-
-
-class ArtifactRow:
-    """One exported artifact as a row: opened as the chat opens it (runtime_sim.session.open_artifacts:
-    artifact sha256, package versions, graph against manifest), after checking that it was exported from
-    the reference model and that its pool holds a window."""
-
-    def __init__(self, art_dir, manifest: dict, engine, ctx: int):
-        kind = "pte" if engine.backend.name == "executorch" else "onnx"
-        entry = manifest["artifacts"][kind]
-        self.engine = engine
-        self.spec = engine.backend.layout.spec
-        weights = entry.get("weights", "fp32")
-        kv = spec_name(self.spec)
-        self.name = f"{kind} {weights} / {kv}"
-        self.info = {"artifact": str(art_dir), "format": kind, "weights": weights, "kv_spec": kv,
-                     "weights_file_bytes": entry.get("bytes"), "backend": engine.backend.name}
-        self._keep = _KeepLogits(engine.backend)
-        engine.backend = self._keep
-
-    def window_logits(self, window: torch.Tensor) -> torch.Tensor:
-        import numpy as np
-
-        eng = self.engine
-        cid = eng.new_conversation()
-        self._keep.calls = []
-        try:
-            eng.prefill(cid, [int(t) for t in window])
-        finally:
-            eng.close(cid)
-        return torch.from_numpy(np.concatenate(self._keep.calls, axis=0))
-
-
-def model_identity(model) -> dict:
-    """What a manifest records of its model (toolkit.manifest.MODEL_IDENTITY), from a loaded model."""
-    from toolkit.compiler import model_dims
-
-    d = model_dims(model.config)
-    return {"model_type": model.config.model_type, "num_layers": d.num_layers, "num_heads": d.num_heads,
-            "num_kv_heads": d.num_kv_heads, "head_dim": d.head_dim, "vocab_size": d.vocab_size}
-
-
-def open_artifact(art_dir, model, model_name: str, ctx: int, backend: str = "onnxruntime",
-                  threads: int = 0) -> ArtifactRow:
-    """An artifacts dir as a row of the table, or ArtifactError (one line): not an export, exported from
-    another model than the reference, a pool too small for a window, or a damaged/mismatched file."""
-    from runtime_sim.session import open_artifacts  # lazily: toolkit imports nothing above it at import time
-    from toolkit.manifest import check_same_model, weights_sha256
-
-    manifest = read_artifact_manifest(art_dir, backend)
-    kind = "pte" if backend == "executorch" else "onnx"
-    check_same_model(str(art_dir), manifest, model_name, model_identity(model), lambda: weights_sha256(model))
-    pool = manifest["pool"]
-    bs = pool["block_size"]
-    max_blocks = manifest["artifacts"][kind].get("max_blocks_per_seq")
-    if max_blocks is not None and -(-ctx // bs) > max_blocks:
-        raise ArtifactError(f"{art_dir}: a window of ctx {ctx} needs {-(-ctx // bs)} blocks of {bs} tokens, its "
-                            f"{kind} takes at most {max_blocks} per sequence: lower --ctx or re-export it.")
-    engine = open_artifacts(art_dir, backend, threads=threads)
-    seq = engine.pool.new_sequence()
-    try:
-        need = engine.pool.blocks_needed(seq, ctx, engine.prefill_chunk)
-        free = engine.pool.free_blocks()
-    finally:
-        engine.pool.release(seq)
-    short = [g for g, (n, f) in enumerate(zip(need, free)) if n > f]
-    if short:
-        g = short[0]
-        raise ArtifactError(f"{art_dir}: its pool holds {free[g]} blocks of {bs} tokens ({free[g] * bs} tokens"
-                            f"{f' in layer group {g}' if len(free) > 1 else ''}), a window of ctx {ctx} needs "
-                            f"{need[g]}: lower --ctx or re-export with --pool-tokens {ctx} or more.")
-    return ArtifactRow(art_dir, manifest, engine, ctx)
 
 
 def evaluate(
@@ -332,9 +218,7 @@ def evaluate(
     progress: bool = True,
     bos: bool | None = None,
     kernel: str = "native",
-    artifacts: list | None = None,
-    backend: str = "onnxruntime",
-    threads: int = 0,
+    extra_rows: list | None = None,
 ) -> dict:
     """Teacher-forced fidelity of each KV spec vs the fp32 pool over `windows` windows of `ctx` tokens.
 
@@ -352,8 +236,7 @@ def evaluate(
             raise PagedKVError("--bos: the tokenizer has no BOS token; leave --bos out.")
     if bos is False:
         bos_id = None
-    return evaluate_ids(model, ids, ctx, specs, windows, block_size, model_name, progress, bos_id, kernel, artifacts,
-                        backend, threads)
+    return evaluate_ids(model, ids, ctx, specs, windows, block_size, model_name, progress, bos_id, kernel, extra_rows)
 
 
 class _NoProgress:
@@ -419,6 +302,6 @@ def timed_evaluate(*args, **kwargs) -> tuple[dict, float]:
 
 
 __all__ = [
-    "DEFAULT_SPECS", "REFERENCE", "ArtifactRow", "evaluate", "evaluate_ids", "markdown_table", "open_artifact",
-    "parse_spec", "read_artifact_manifest", "rich_table", "score_windows", "spec_name", "tokenize", "timed_evaluate",
+    "DEFAULT_SPECS", "REFERENCE", "evaluate", "evaluate_ids", "markdown_table", "parse_spec", "rich_table",
+    "score_windows", "spec_name", "tokenize", "timed_evaluate",
 ]
