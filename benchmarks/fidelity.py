@@ -4,8 +4,8 @@
     python benchmarks/fidelity.py --model gemma3-270m --out benchmarks/results/fidelity_gemma3.json
     python benchmarks/fidelity.py --ctx 512 --windows 8 --specs default "default:v_group=16"
 
-Teacher-forced, one call per window through the paged model (the plain-PyTorch reference op), the
-unquantized fp32 pool as reference; see toolkit/fidelity.py for the metrics. Writes
+Teacher-forced, one call per window through the paged model (the op on the C++ core, as `pagedkv eval`
+runs it; --kernel reference for its plain-PyTorch definition), the unquantized fp32 pool as reference; see toolkit/fidelity.py for the metrics. Writes
 benchmarks/results/fidelity.json and prints one markdown table per ctx.
 """
 
@@ -39,6 +39,8 @@ def main(argv=None) -> int:
                     help="windows per ctx, one value or one per --ctx (default 8 2)")
     ap.add_argument("--specs", nargs="+", default=DEFAULT_SPECS, help=f"specs (default {' '.join(DEFAULT_SPECS)})")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kernel", choices=["native", "reference"], default="native",
+                    help="the op of the spec rows: the C++ core (default) or the plain-PyTorch reference")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "fidelity.json")
     args = ap.parse_args(argv)
 
@@ -66,12 +68,14 @@ def main(argv=None) -> int:
         "consecutive windows from the start; "
         "reference = fp32 pool; metrics over the ctx-1 next-token positions of each window",
         "block_size": args.block_size,
+        "kernel": args.kernel,
         "torch_threads": __import__("torch").get_num_threads(),
         "runs": [],
     }
     for ctx, w in zip(args.ctx, windows):
         t0 = time.perf_counter()
-        res = evaluate_ids(model, ids, ctx, args.specs, w, args.block_size, model_name=name, bos_id=bos_id)
+        res = evaluate_ids(model, ids, ctx, args.specs, w, args.block_size, model_name=name, bos_id=bos_id,
+                           kernel=args.kernel)
         seconds = time.perf_counter() - t0
         res.update(windows=w, tokens_per_window=ctx, predictions=w * (ctx - 1), seconds=round(seconds, 1))
         report["runs"].append(res)
