@@ -1,10 +1,24 @@
 // AVX2 + FMA + F16C attention path (this file is compiled with -mavx2 -mfma -mf16c; the caller
 // checks the CPU before selecting it). The generic path dequantizes bit-identically to the scalar
-// path; quantized 8/4-bit blocks take the fused path below (q_scores / v_accum / exp_sub), which
-// never writes dequantized rows and uses a vectorised exp in the softmax only.
+// path; quantized 8/4-bit blocks (other widths widened to 8 bits by impl::Attend) take the fused path
+// below, which never writes dequantized rows:
+//   runs of up to 64 keys (kRunKeys: consecutive blocks, records read through QuantRun::rec), so the
+//     per-run work (scales to float, softmax bookkeeping) is shared by four blocks of 16 tokens;
+//   K scores: fp32 FMAs of q with the codes converted per 8 dims, two keys at a time, all heads of a
+//     tile from one conversion; the next run's records are prefetched a few lines per key pair;
+//   softmax: row-wise (row_max / row_exp / rows_above), with impl::Attend's lazy running maximum;
+//   V sums: accumulators of 16 dims x the tile's heads stay in registers while the keys stream by.
+// The K scores and V sums keep at least 8 independent FMA chains in flight (the FMA latency bounds a
+// chain; 3 heads x 2 keys alone would wait on it).
+// Why fp32 FMAs and not integer dot products here (as avx512-vnni and NEON dotprod do): scores must
+// stay at fp32 accuracy (q in three 8-bit limbs there). Plain AVX2 has no vpdpbusd: vpmaddubsw
+// saturates 255 x 128 pairs and needs a vpmaddwd + vpaddd after it, so three limbs cost ~9 uops per
+// head and 32 dims against 4 FMAs + a shared conversion in fp32: no gain on the multiply ports.
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 
 #include "pagedkv_attn_impl.h"
 
@@ -74,25 +88,40 @@ inline __m256 hsum8(__m256 v0, __m256 v1, __m256 v2, __m256 v3, __m256 v4, __m25
 // Scores of keys i, i+1 (NK = 2) or i (NK = 1) for GN <= 4 query heads.
 // score = scale * sum_groups (s_k * dot(q, u - c) [+ z_k * sum(q)])
 template <int BITS, bool SYM, int GN, int NK>
-inline void scores_keys(const QuantRun& r, const uint8_t* c0, const float* m0, const float* q, const float* qsum,
-                        float scale, float* sc, int ldsc, int i) {
-  const int D = r.D, kg = r.k_group, ngk = D / kg;
-  const uint8_t* c1 = c0 + r.W;
+__attribute__((always_inline)) inline void scores_keys(const QuantRun& r, int ngk, const uint8_t* c0,
+                                                       const uint8_t* c1, const float* m0, const float* q,
+                                                       const float* qsum, float scale, float* sc, int ldsc, int i) {
+  const int D = r.D, kg = r.k_group;
   const float* m1 = m0 + r.Ws;
   __m256 tot = _mm256_setzero_ps();  // lanes: key0 heads 0..3, key1 heads 0..3
+  // with fewer than 8 (key, head) pairs the two halves of 16 dims go to separate accumulators: at least
+  // 8 independent FMA chains in flight
+  constexpr bool kSplit = GN * NK < 8;
   for (int gi = 0; gi < ngk; ++gi) {
-    __m256 a0[4], a1[4];
-    for (int g = 0; g < 4; ++g) a0[g] = a1[g] = _mm256_setzero_ps();
+    __m256 a0[4], a1[4], b0[4], b1[4];
+    for (int g = 0; g < 4; ++g) a0[g] = a1[g] = b0[g] = b1[g] = _mm256_setzero_ps();
     for (int j = gi * kg; j < (gi + 1) * kg; j += 16) {
       __m256 x0a, x0b, x1a, x1b;
       load16<BITS, SYM>(c0, j, x0a, x0b);
       if (NK == 2) load16<BITS, SYM>(c1, j, x1a, x1b);
       for (int g = 0; g < GN; ++g) {
         const __m256 qa = _mm256_loadu_ps(q + (size_t)g * D + j), qb = _mm256_loadu_ps(q + (size_t)g * D + j + 8);
-        a0[g] = _mm256_fmadd_ps(qb, x0b, _mm256_fmadd_ps(qa, x0a, a0[g]));
-        if (NK == 2) a1[g] = _mm256_fmadd_ps(qb, x1b, _mm256_fmadd_ps(qa, x1a, a1[g]));
+        if (kSplit) {
+          a0[g] = _mm256_fmadd_ps(qa, x0a, a0[g]);
+          b0[g] = _mm256_fmadd_ps(qb, x0b, b0[g]);
+          if (NK == 2) a1[g] = _mm256_fmadd_ps(qa, x1a, a1[g]);
+          if (NK == 2) b1[g] = _mm256_fmadd_ps(qb, x1b, b1[g]);
+        } else {
+          a0[g] = _mm256_fmadd_ps(qb, x0b, _mm256_fmadd_ps(qa, x0a, a0[g]));
+          if (NK == 2) a1[g] = _mm256_fmadd_ps(qb, x1b, _mm256_fmadd_ps(qa, x1a, a1[g]));
+        }
       }
     }
+    if (kSplit)
+      for (int g = 0; g < GN; ++g) {
+        a0[g] = _mm256_add_ps(a0[g], b0[g]);
+        a1[g] = _mm256_add_ps(a1[g], b1[g]);
+      }
     const __m256 sums = hsum8(a0[0], a0[1], a0[2], a0[3], a1[0], a1[1], a1[2], a1[3]);
     const float s0 = m0[gi], s1 = NK == 2 ? m1[gi] : 0.f;
     const __m256 vs = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
@@ -113,20 +142,56 @@ inline void scores_keys(const QuantRun& r, const uint8_t* c0, const float* m0, c
   }
 }
 
+// The next run's records and scales (QuantRun::next_*), a share of lines per key pair of the K pass
+// (one burst would stall the loads behind it), and the first line of each block of the run after it
+// (its page's translation).
+struct Prefetcher {
+  const QuantRun& r;
+  const size_t bl;  // lines per block
+  size_t per = 0;   // lines per key pair
+  int blk = 0;      // the cursor: line `off` of next block blk
+  size_t off = 0;
+  Prefetcher(const QuantRun& run, bool on) : r(run), bl((run.block_bytes + 63) / 64) {
+    if (!on) {
+      blk = r.next_nseg;  // nothing to prefetch
+      return;
+    }
+    per = ((size_t)r.next_nseg * bl * 2 + r.n - 1) / r.n;
+    for (int b = 0; b < r.after_nseg; ++b) _mm_prefetch(reinterpret_cast<const char*>(r.after_codes[b]), _MM_HINT_T2);
+    for (int b = 0; b < r.next_nseg; ++b)
+      for (size_t o = 0; o < r.block_meta_bytes; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(r.next_meta[b]) + o, _MM_HINT_T0);
+  }
+  // the next `per` lines (called once per key pair of the K pass)
+  void step() {
+    for (size_t k = 0; k < per && blk < r.next_nseg; ++k) {
+      _mm_prefetch(reinterpret_cast<const char*>(r.next_codes[blk]) + 64 * off, _MM_HINT_T0);
+      if (++off == bl) off = 0, ++blk;
+    }
+  }
+};
+
 template <int BITS, bool SYM, int GN>
-void scores_tile(const QuantRun& r, const float* q, const float* qsum, float scale, float* sc, int ldsc) {
+void scores_tile(const QuantRun& r, const float* q, const float* qsum, float scale, float* sc, int ldsc, bool pf) {
+  Prefetcher pre(r, pf);
+  const int ngk = r.D / r.k_group;
   int i = 0;
-  for (; i + 2 <= r.n; i += 2)
-    scores_keys<BITS, SYM, GN, 2>(r, r.codes + (size_t)i * r.W, r.metaf + (size_t)i * r.Ws, q, qsum, scale, sc, ldsc, i);
-  if (i < r.n)
-    scores_keys<BITS, SYM, GN, 1>(r, r.codes + (size_t)i * r.W, r.metaf + (size_t)i * r.Ws, q, qsum, scale, sc, ldsc, i);
+  for (; i + 2 <= r.n; i += 2) {
+    pre.step();
+    scores_keys<BITS, SYM, GN, 2>(r, ngk, r.rec(i), r.rec(i + 1), r.metaf + (size_t)i * r.Ws, q, qsum, scale, sc, ldsc, i);
+  }
+  if (i < r.n) {
+    pre.step();
+    scores_keys<BITS, SYM, GN, 1>(r, ngk, r.rec(i), r.rec(i), r.metaf + (size_t)i * r.Ws, q, qsum, scale, sc, ldsc, i);
+  }
 }
 
 template <int BITS, bool SYM>
 void scores_all(const QuantRun& r, const float* q, const float* qsum, int G, float scale, float* sc, int ldsc) {
   const int ngk = r.D / r.k_group;
   impl::for_head_tiles(G, [&](auto gn, int g0) {
-    scores_tile<BITS, SYM, decltype(gn)::value>(r, q + (size_t)g0 * r.D, qsum + (size_t)g0 * ngk, scale, sc + (size_t)g0 * ldsc, ldsc);
+    scores_tile<BITS, SYM, decltype(gn)::value>(r, q + (size_t)g0 * r.D, qsum + (size_t)g0 * ngk, scale,
+                                                sc + (size_t)g0 * ldsc, ldsc, g0 == 0);
   });
 }
 
@@ -134,11 +199,11 @@ void scores_all(const QuantRun& r, const float* q, const float* qsum, int G, flo
 // accumulated as (p * s) * (u - c) + sum_i p * z, 16 dims at a time kept in registers over the keys.
 template <int BITS, bool SYM, int GN>
 void vacc_tile(const QuantRun& r, const float* p, int ldp, float* acc) {
+  constexpr int NK = kMaxRunKeys;
   const int D = r.D, vg = r.v_group, ngv = D / vg, n = r.n;
-  const uint8_t* vc = r.codes + r.kcb;
-  const int n8 = (n + 7) & ~7;            // p rows hold finite values up to bs >= n8
-  alignas(32) float coef[32 * 4 * 32];     // [group][head][key]
-  alignas(32) float sv[32], zv[32];
+  const int n8 = (n + 7) & ~7;            // p rows hold finite values up to run_capacity >= n8
+  alignas(32) float coef[32 * 4 * NK];     // [group][head][key]
+  alignas(32) float sv[NK], zv[NK];
   float zt[32 * 4];                        // [group][head]
   for (int k = 0; k < ngv; ++k) {
     const float* mk = r.metaf + r.ksc + k;
@@ -147,7 +212,7 @@ void vacc_tile(const QuantRun& r, const float* p, int ldp, float* acc) {
       for (int i = 0; i < n8; ++i) zv[i] = i < n ? mk[(size_t)i * r.Ws + ngv] : 0.f;
     for (int g = 0; g < GN; ++g) {
       const float* pg = p + (size_t)g * ldp;
-      float* cf = coef + ((size_t)k * 4 + g) * 32;
+      float* cf = coef + ((size_t)k * 4 + g) * NK;
       __m256 zs = _mm256_setzero_ps();
       for (int i = 0; i < n8; i += 8) {
         const __m256 pv = _mm256_loadu_ps(pg + i);
@@ -166,16 +231,40 @@ void vacc_tile(const QuantRun& r, const float* p, int ldp, float* acc) {
       A[g][1] = _mm256_add_ps(_mm256_loadu_ps(acc + (size_t)g * D + j + 8), z);
       if (BITS == 4) permute16(A[g][0], A[g][1], A[g][0], A[g][1]);
     }
-    const float* cf = coef + (size_t)k * 4 * 32;
-    for (int i = 0; i < n; ++i) {
+    const float* cf = coef + (size_t)k * 4 * NK;
+    // KS sets of accumulators take the keys in turn, so that at least 8 independent FMA chains are in
+    // flight (one per set, head and half: a single set of 3 heads waits on the FMA latency)
+    constexpr int KS = GN == 1 ? 4 : GN == 4 ? 1 : 2;
+    __m256 E[KS > 1 ? KS - 1 : 1][GN][2];
+    for (int s = 0; s + 1 < KS; ++s)
+      for (int g = 0; g < GN; ++g) E[s][g][0] = E[s][g][1] = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + KS <= n; i += KS) {
+      for (int s = 0; s < KS; ++s) {
+        __m256 xa, xb;
+        load16<BITS, SYM>(r.rec(i + s) + r.kcb, j, xa, xb);
+        for (int g = 0; g < GN; ++g) {
+          const __m256 w = _mm256_broadcast_ss(cf + g * NK + i + s);
+          __m256* a = s ? E[s - 1][g] : A[g];
+          a[0] = _mm256_fmadd_ps(w, xa, a[0]);
+          a[1] = _mm256_fmadd_ps(w, xb, a[1]);
+        }
+      }
+    }
+    for (; i < n; ++i) {
       __m256 xa, xb;
-      load16<BITS, SYM>(vc + (size_t)i * r.W, j, xa, xb);
+      load16<BITS, SYM>(r.rec(i) + r.kcb, j, xa, xb);
       for (int g = 0; g < GN; ++g) {
-        const __m256 w = _mm256_broadcast_ss(cf + g * 32 + i);
+        const __m256 w = _mm256_broadcast_ss(cf + g * NK + i);
         A[g][0] = _mm256_fmadd_ps(w, xa, A[g][0]);
         A[g][1] = _mm256_fmadd_ps(w, xb, A[g][1]);
       }
     }
+    for (int s = 0; s + 1 < KS; ++s)
+      for (int g = 0; g < GN; ++g) {
+        A[g][0] = _mm256_add_ps(A[g][0], E[s][g][0]);
+        A[g][1] = _mm256_add_ps(A[g][1], E[s][g][1]);
+      }
     for (int g = 0; g < GN; ++g) {
       if (BITS == 4) unpermute16(A[g][0], A[g][1], A[g][0], A[g][1]);
       _mm256_storeu_ps(acc + (size_t)g * D + j, A[g][0]);
@@ -208,16 +297,27 @@ inline __m256 exp256(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
 }
 
+// lanes i..i+7 of a row of n keys: all-ones for i + lane < n
+inline __m256 live_lanes(int i, int n) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
 struct Avx2Ops {
   static constexpr bool kFastQuant = true;
+  static constexpr int kRunKeys = kMaxRunKeys;  // runs of several blocks (QuantRun::rec)
 
   static void q_scores(const QuantRun& r, const float* q, const float* qsum, int G, float scale, float* sc, int ldsc) {
-    // the run's fp16 scales/zeros as float32, once (v_accum reuses them)
-    const size_t nm = (size_t)r.n * r.Ws;
-    size_t i = 0;
-    for (; i + 8 <= nm; i += 8)
-      _mm256_storeu_ps(r.metaf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r.meta + i))));
-    for (; i < nm; ++i) r.metaf[i] = h2f(r.meta[i]);
+    // the run's fp16 scales/zeros as float32, the segments back to back, once (v_accum reuses them)
+    float* mf = r.metaf;
+    for (int sg = 0; sg < r.nseg; ++sg) {
+      const uint16_t* m = r.seg_meta[sg];
+      const size_t nm = (size_t)r.seg_n[sg] * r.Ws;
+      size_t i = 0;
+      for (; i + 8 <= nm; i += 8)
+        _mm256_storeu_ps(mf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + i))));
+      for (; i < nm; ++i) mf[i] = h2f(m[i]);
+      mf += nm;
+    }
     if (r.k_bits == 8) {
       r.k_sym ? scores_all<8, true>(r, q, qsum, G, scale, sc, ldsc) : scores_all<8, false>(r, q, qsum, G, scale, sc, ldsc);
     } else {
@@ -238,6 +338,43 @@ struct Avx2Ops {
       if (k_bits == 4) permute16(a, b, a, b);
       _mm256_storeu_ps(out + j, a);
       _mm256_storeu_ps(out + j + 8, b);
+    }
+  }
+  // row-wise softmax helpers (see pagedkv_attn_impl.h): rows of n <= kRunKeys keys, lanes past n masked
+  static void row_max(const float* sc, int ldsc, int G, int n, float* out) {
+    for (int g = 0; g < G; ++g) {
+      const float* x = sc + (size_t)g * ldsc;
+      const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+      __m256 m = ninf;
+      for (int i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_blendv_ps(ninf, _mm256_loadu_ps(x + i), live_lanes(i, n)));
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      out[g] = _mm_cvtss_f32(h);
+    }
+  }
+  static bool rows_above(const float* sc, int ldsc, int G, int n, const float* thr) {
+    __m256 any = _mm256_setzero_ps();
+    for (int g = 0; g < G; ++g) {
+      const float* x = sc + (size_t)g * ldsc;
+      const __m256 t = _mm256_set1_ps(thr[g]);
+      for (int i = 0; i < n; i += 8)
+        any = _mm256_or_ps(any, _mm256_and_ps(live_lanes(i, n), _mm256_cmp_ps(_mm256_loadu_ps(x + i), t, _CMP_NLE_UQ)));
+    }
+    return _mm256_movemask_ps(any) != 0;
+  }
+  // x = exp(x - m[g]) for the n keys of each row (lanes past n: 0), sum[g] = the row's sum
+  static void row_exp(float* sc, int ldsc, int G, int n, const float* m, float* sum) {
+    for (int g = 0; g < G; ++g) {
+      float* x = sc + (size_t)g * ldsc;
+      const __m256 vm = _mm256_set1_ps(m[g]);
+      __m256 vs = _mm256_setzero_ps();
+      for (int i = 0; i < n; i += 8) {
+        const __m256 e = _mm256_and_ps(live_lanes(i, n), exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm)));
+        _mm256_storeu_ps(x + i, e);
+        vs = _mm256_add_ps(vs, e);
+      }
+      sum[g] = hsum(vs);
     }
   }
   static float max_n(const float* x, int n) {
