@@ -1,4 +1,5 @@
-"""A saved conversation: its KV blocks as they lie in the pool, its fp16 stage rows and its tokens.
+"""A saved conversation: its KV blocks as they lie in the pool (compact-tier blocks as their compact
+records), its fp16 stage rows and its tokens.
 
     data = capture(...)            # what Engine.save gathers from the pool
     write(path, data)              # atomic: a temp file beside `path`, fsync, rename
@@ -25,11 +26,16 @@ from toolkit.errors import PagedKVError
 from toolkit.kv_spec import KVQuantSpec
 
 MAGIC = b"PKVCONV\0"
-VERSION = 1
+VERSION = 2  # what write() writes; read() also reads version 1 (a version-2 file without compact blocks)
+READS = (1, 2)
 SPEC_FIELDS = ("k_bits", "v_bits", "k_group", "v_group", "k_sym", "v_sym", "rotate", "fp_tail", "sink_blocks")
 ITEMSIZES = (1, 2, 4)  # codes element bytes: uint8, float16, float32
 # sanity bounds: a header field past these is damage, not a real conversation
 MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM, MAX_TOKENS = 4096, 4096, 4096, 1 << 26
+
+
+# GroupBlocks.present: what the group holds at each logical block
+HOLE, DEFAULT, COMPACT = 0, 1, 2  # a hole / a block of the default region / of the compact region (version 2)
 
 
 class ConversationFileError(PagedKVError):
@@ -38,15 +44,22 @@ class ConversationFileError(PagedKVError):
 
 @dataclass
 class GroupBlocks:
-    """One layer group of the saved sequence: which logical blocks it holds (False = a hole)."""
+    """One layer group of the saved sequence: what it holds at each logical block (HOLE, DEFAULT or
+    COMPACT; a version-1 file has no COMPACT, and False/True read as HOLE/DEFAULT)."""
 
     window: int
     layers: tuple[int, ...]
-    present: list[bool]
+    present: list[int]
 
     @property
     def n_present(self) -> int:
-        return sum(self.present)
+        """Blocks of the default region (their records are in `codes`/`scales`)."""
+        return sum(1 for p in self.present if p == DEFAULT)
+
+    @property
+    def n_compact(self) -> int:
+        """Blocks of the compact region (their records are in `compact_codes`/`compact_scales`)."""
+        return sum(1 for p in self.present if p == COMPACT)
 
 
 @dataclass
@@ -65,11 +78,24 @@ class ConversationData:
     pending: list[int]  # tokens not in the cache yet (fed first on the next turn)
     groups: list[GroupBlocks]
     app: bytes = b""  # the application's own data, opaque here (pagedkv chat: its messages as JSON)
+    # the compact tier (version 2): the spec and record sizes of the compact blocks; None/0 when the file
+    # holds none (describe(): the engine's compact region, None without one)
+    compact: KVQuantSpec | None = None
+    compact_code_bytes: int = 0
+    compact_scale_bytes: int = 0
     # per layer: raw bytes of its group's present blocks in logical order,
     # codes [n_present, Hkv, bs, code_bytes] and scales [n_present, Hkv, bs, scale_bytes] (uint8 views)
     codes: list[np.ndarray] = field(default_factory=list)
     scales: list[np.ndarray] = field(default_factory=list)
     stage: list[np.ndarray] = field(default_factory=list)  # per layer [2, 2, Hkv, bs, D] float16, or []
+    # per layer of a group holding compact blocks (None for the others): their records in the compact
+    # spec, codes [n_compact, Hkv, bs, compact_code_bytes] and scales [..., compact_scale_bytes] (uint8)
+    compact_codes: list[np.ndarray | None] = field(default_factory=list)
+    compact_scales: list[np.ndarray | None] = field(default_factory=list)
+
+    @property
+    def n_compact(self) -> int:
+        return sum(g.n_compact for g in self.groups)
 
     def record_shape(self, n: int, width: int) -> tuple[int, ...]:
         return (n, self.num_kv_heads, self.block_size, width)
@@ -98,9 +124,15 @@ def encode_header(d: ConversationData) -> bytes:
         raise PagedKVError("model_sha256 must be 32 raw bytes")
     u = lambda *xs: struct.pack(f"<{len(xs)}I", *xs)  # noqa: E731
     spec = [int(getattr(d.spec, k)) for k in SPEC_FIELDS]
+    if d.n_compact and d.compact is None:
+        raise PagedKVError("a conversation with compact blocks needs its compact spec")
+    # the compact spec and record sizes only when the file holds compact blocks (else zeros): a file
+    # without any is the same bytes whether or not the engine that wrote it had a compact region
+    compact = [int(getattr(d.compact, k)) for k in SPEC_FIELDS] + [d.compact_code_bytes, d.compact_scale_bytes] \
+        if d.n_compact else [0] * (len(SPEC_FIELDS) + 2)
     parts = [MAGIC, u(VERSION), d.model_sha256,
              u(d.num_layers, d.num_kv_heads, d.head_dim, d.block_size), u(*spec),
-             u(d.codes_itemsize, d.code_bytes, d.scale_bytes, int(d.has_stage)),
+             u(d.codes_itemsize, d.code_bytes, d.scale_bytes, int(d.has_stage)), u(*compact),
              u(len(d.tokens), len(d.pending), len(d.groups))]
     for g in d.groups:
         parts += [u(g.window, len(g.layers), *g.layers, len(g.present)), bytes(int(p) for p in g.present)]
@@ -117,6 +149,9 @@ def _payload(d: ConversationData):
             yield d.codes[i]
             if d.scale_bytes:
                 yield d.scales[i]
+            if g.n_compact:
+                yield d.compact_codes[i]
+                yield d.compact_scales[i]
     if d.has_stage:
         for i in range(d.num_layers):
             yield d.stage[i]
@@ -182,12 +217,17 @@ def read(path) -> ConversationData:
     return parse(raw, path)
 
 
+def _spec_of(vals) -> KVQuantSpec:
+    return KVQuantSpec(**{k: (bool(v) if k in ("k_sym", "v_sym", "rotate", "fp_tail") else int(v))
+                          for k, v in zip(SPEC_FIELDS, vals)})
+
+
 def parse(raw: bytes, path="(bytes)") -> ConversationData:
     if len(raw) < len(MAGIC) + 4 or raw[:len(MAGIC)] != MAGIC:
         _fail(path, "is not a pagedkv conversation file (bad magic)", "give a file written by /save or Engine.save")
     version = struct.unpack_from("<I", raw, len(MAGIC))[0]
-    if version != VERSION:
-        _fail(path, f"has format version {version}, this pagedkv reads {VERSION}",
+    if version not in READS:
+        _fail(path, f"has format version {version}, this pagedkv reads {' and '.join(map(str, READS))}",
               "restore it with the pagedkv that saved it, or save the conversation again")
     if len(raw) < len(MAGIC) + 8:
         _fail(path, "is truncated (no checksum)")
@@ -200,6 +240,7 @@ def parse(raw: bytes, path="(bytes)") -> ConversationData:
     num_layers, heads, head_dim, bs = r.u32(4, "header")
     spec_vals = r.u32(len(SPEC_FIELDS), "spec")
     itemsize, code_bytes, scale_bytes, has_stage = r.u32(4, "header")
+    compact_vals = r.u32(len(SPEC_FIELDS) + 2, "compact spec") if version >= 2 else [0] * (len(SPEC_FIELDS) + 2)
     n_tokens, n_pending, n_groups = r.u32(3, "header")
     if not (1 <= num_layers <= MAX_LAYERS and 1 <= heads <= MAX_HEADS and 1 <= head_dim <= MAX_HEAD_DIM
             and bs in (16, 32) and itemsize in ITEMSIZES and has_stage in (0, 1)
@@ -207,18 +248,28 @@ def parse(raw: bytes, path="(bytes)") -> ConversationData:
             and 0 < code_bytes <= 8 * head_dim * 4 and scale_bytes <= 8 * head_dim):
         _fail(path, "has an impossible header (damaged)")
     try:
-        spec = KVQuantSpec(**{k: (bool(v) if k in ("k_sym", "v_sym", "rotate", "fp_tail") else int(v))
-                              for k, v in zip(SPEC_FIELDS, spec_vals)}).validate(head_dim)
+        spec = _spec_of(spec_vals).validate(head_dim)
     except PagedKVError as e:
         _fail(path, f"holds an invalid KV spec ({e})")
-    from toolkit.kv_spec import record_layout
+    from toolkit.kv_spec import check_compact, record_layout
 
     rec = record_layout(spec, head_dim)
     want = (4 if spec.k_bits == 32 else 2, 2 * head_dim * (4 if spec.k_bits == 32 else 2), 0) if spec.is_float else \
         (1, rec.code_width, 2 * rec.scale_width)
     if (itemsize, code_bytes, scale_bytes) != want:
         _fail(path, "has record sizes its spec does not give (damaged)")
-    n_blocks = -(-n_tokens // bs)
+    compact, compact_code_bytes, compact_scale_bytes = None, 0, 0
+    if any(compact_vals):  # the compact tier's spec (version 2, a file holding compact blocks)
+        try:
+            compact = check_compact(spec, _spec_of(compact_vals[:len(SPEC_FIELDS)]), head_dim)
+        except PagedKVError as e:
+            _fail(path, f"holds an invalid compact spec ({e})")
+        compact_code_bytes, compact_scale_bytes = compact_vals[len(SPEC_FIELDS):]
+        crec = record_layout(compact, head_dim)
+        if (compact_code_bytes, compact_scale_bytes) != (crec.code_width, 2 * crec.scale_width):
+            _fail(path, "has compact record sizes its compact spec does not give (damaged)")
+    n_blocks, n_full = -(-n_tokens // bs), n_tokens // bs
+    kinds = (HOLE, DEFAULT, COMPACT) if version >= 2 else (HOLE, DEFAULT)
     groups, seen = [], set()
     for _ in range(n_groups):
         window, n_layers = r.u32(2, "layer groups")
@@ -226,14 +277,19 @@ def parse(raw: bytes, path="(bytes)") -> ConversationData:
             _fail(path, "has an impossible layer group (damaged)")
         layers = tuple(r.u32(n_layers, "layer groups"))
         (nb,) = r.u32(1, "layer groups")
-        present = [bool(b) for b in r.take(nb, "layer groups")]
+        present = list(r.take(nb, "layer groups"))
         if nb != n_blocks or any(i >= num_layers or i in seen for i in layers) or \
-                any(b not in (0, 1) for b in body[r.pos - nb:r.pos]):
+                any(b not in kinds for b in present):
             _fail(path, "has an impossible layer group (damaged)")
+        if COMPACT in present and (window or compact is None or COMPACT in present[n_full:]):
+            # compact blocks: only full blocks of a global group, and only with a compact spec
+            _fail(path, "has a compact block where none can be (damaged)")
         seen.update(layers)
         groups.append(GroupBlocks(window, layers, present))
     if len(seen) != num_layers:
         _fail(path, "has layer groups that do not cover every layer (damaged)")
+    if compact is not None and not any(g.n_compact for g in groups):
+        _fail(path, "has a compact spec but no compact block (damaged)")
     tokens = np.frombuffer(r.take(4 * n_tokens, "tokens"), "<i4").tolist()
     pending = np.frombuffer(r.take(4 * n_pending, "tokens"), "<i4").tolist()
     if any(t < 0 for t in tokens + pending):
@@ -241,16 +297,23 @@ def parse(raw: bytes, path="(bytes)") -> ConversationData:
     (n_app,) = r.u32(1, "application data")
     app = bytes(r.take(n_app, "application data"))
     d = ConversationData(sha, num_layers, heads, head_dim, bs, spec, itemsize, code_bytes, scale_bytes,
-                         bool(has_stage), tokens, pending, groups, app)
+                         bool(has_stage), tokens, pending, groups, app, compact, compact_code_bytes,
+                         compact_scale_bytes)
     d.codes, d.scales = [None] * num_layers, [None] * num_layers
+    d.compact_codes, d.compact_scales = [None] * num_layers, [None] * num_layers
+
+    def records(n, width, what):
+        shape = d.record_shape(n, width)
+        return np.frombuffer(r.take(int(np.prod(shape)), what), np.uint8).reshape(shape)
+
     for g in groups:
-        n = g.n_present
         for i in g.layers:
-            for name, width, out in (("codes", code_bytes, d.codes), ("scales", scale_bytes, d.scales)):
-                if name == "scales" and not scale_bytes:
-                    continue
-                shape = d.record_shape(n, width)
-                out[i] = np.frombuffer(r.take(int(np.prod(shape)), f"{name} of layer {i}"), np.uint8).reshape(shape)
+            d.codes[i] = records(g.n_present, code_bytes, f"codes of layer {i}")
+            if scale_bytes:
+                d.scales[i] = records(g.n_present, scale_bytes, f"scales of layer {i}")
+            if g.n_compact:
+                d.compact_codes[i] = records(g.n_compact, compact_code_bytes, f"compact codes of layer {i}")
+                d.compact_scales[i] = records(g.n_compact, compact_scale_bytes, f"compact scales of layer {i}")
     if has_stage:
         st = d.stage_shape()
         d.stage = [np.frombuffer(r.take(2 * int(np.prod(st)), f"stage rows of layer {i}"), "<f2").reshape(st)
@@ -281,6 +344,16 @@ def check_compatible(d: ConversationData, want: ConversationData, path) -> None:
     need = [(g.window, g.layers) for g in want.groups]
     if have != need:
         _fail(path, f"has layer groups {have}, this engine's are {need}", "restore it with the artifacts that saved it")
+    if d.n_compact:  # compact blocks are restored into the engine's compact region, in the same spec
+        if want.compact is None:
+            _fail(path, f"holds {d.n_compact} block(s) in the compact tier (re-quantized to {d.compact.describe()}), "
+                        "this engine's model has no compact region",
+                  "restore it with a model compiled with compact_blocks=N on the torch backend, like the one that "
+                  "saved it")
+        if (d.compact, d.compact_code_bytes, d.compact_scale_bytes) != \
+                (want.compact, want.compact_code_bytes, want.compact_scale_bytes):
+            _fail(path, f"holds compact blocks in spec {d.compact.describe()}, this engine's compact region is "
+                        f"{want.compact.describe()}", "restore it with the artifacts that saved it")
 
 
 # ------------------------------------------------------------------------------ engine <-> file
@@ -313,14 +386,19 @@ def model_sha256(engine) -> bytes:
 
 def describe(engine) -> ConversationData:
     """The engine's pool as a ConversationData without tokens or blocks (what a file must match)."""
+    from toolkit.kv_spec import record_layout
+
     lay = engine.backend.layout
     itemsize = int(np.dtype(lay.codes_dtype_name).itemsize)
+    compact = lay.compact if getattr(lay, "num_compact_blocks", 0) else None
+    crec = record_layout(compact, lay.head_dim) if compact is not None else None
     return ConversationData(
         model_sha256=model_sha256(engine), num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
         head_dim=lay.head_dim, block_size=lay.block_size, spec=lay.spec, codes_itemsize=itemsize,
         code_bytes=lay.codes_shape()[-1] * itemsize, scale_bytes=0 if lay.spec.is_float else lay.scales_shape()[-1] * 2,
         has_stage=lay.uses_stage, tokens=[], pending=[],
-        groups=[GroupBlocks(g.window, tuple(g.layers), []) for g in engine.groups])
+        groups=[GroupBlocks(g.window, tuple(g.layers), []) for g in engine.groups], compact=compact,
+        compact_code_bytes=crec.code_width if crec else 0, compact_scale_bytes=2 * crec.scale_width if crec else 0)
 
 
 def pool_arrays(engine) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -342,6 +420,17 @@ def pool_arrays(engine) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     return engine.backend.pool_arrays()
 
 
+def compact_arrays(engine) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """layer -> (compact_codes, compact_scales) numpy views of the compact region ({} without one): the
+    backend's compact_arrays(), else the torch model's compact buffers (compile(..., compact_blocks=N))."""
+    if hasattr(engine.backend, "compact_arrays"):
+        return engine.backend.compact_arrays()
+    paged = getattr(engine.backend, "paged", None)
+    if paged is None or not hasattr(paged, "compact_pool_tensors"):
+        return {}
+    return {i: (c.numpy(), s.numpy()) for i, (c, s) in paged.compact_pool_tensors().items()}
+
+
 def capture(engine, cid: int) -> ConversationData:
     """A conversation's blocks (copies of its pool records), stage rows and tokens."""
     conv = engine._conv(cid)
@@ -354,19 +443,32 @@ def capture(engine, cid: int) -> ConversationData:
     arrays = pool_arrays(engine) if n or d.has_stage else []
     nb = -(-n // bs)
     d.codes, d.scales = [None] * d.num_layers, [None] * d.num_layers
+    d.compact_codes, d.compact_scales = [None] * d.num_layers, [None] * d.num_layers
+
+    def rows(a, ids, width):  # the records of these blocks (copies), [len(ids), Hkv, bs, width] uint8
+        return a[ids].view(np.uint8) if len(ids) else np.zeros(d.record_shape(0, width), np.uint8)
+
     for g, grp in enumerate(d.groups):
         table = pool.block_table(conv.seq, g)[:nb]
-        if any(b >= engine.groups[g].num_blocks for b in table):  # ids of the compact region (issue 25)
-            raise PagedKVError(f"conversation {cid} has blocks in the compact tier: the conversation file does not "
-                               "hold compact records yet; save it before compacting (runtime_sim/compact.py).")
-        grp.present = [b >= 0 for b in table]
-        ids = np.asarray([b for b in table if b >= 0], np.int64)
+        n_default = engine.groups[g].num_blocks  # ids >= n_default: the compact region (group 0 only)
+        grp.present = [HOLE if b < 0 else DEFAULT if b < n_default else COMPACT for b in table]
+        ids = np.asarray([b for b in table if 0 <= b < n_default], np.int64)
+        cids = np.asarray([b - n_default for b in table if b >= n_default], np.int64)
+        carrays = compact_arrays(engine) if len(cids) else {}
         for i in grp.layers:
             codes, scales, _ = arrays[i] if arrays else (None, None, None)
-            d.codes[i] = codes[ids].view(np.uint8) if len(ids) else np.zeros(d.record_shape(0, d.code_bytes), np.uint8)
+            d.codes[i] = rows(codes, ids, d.code_bytes)
             if d.scale_bytes:
-                d.scales[i] = scales[ids].view(np.uint8) if len(ids) else \
-                    np.zeros(d.record_shape(0, d.scale_bytes), np.uint8)
+                d.scales[i] = rows(scales, ids, d.scale_bytes)
+            if len(cids):
+                if i not in carrays:
+                    raise PagedKVError(f"conversation {cid} holds compact blocks, but the {engine.backend.name} "
+                                       f"backend shows no compact region for layer {i}: save it with the backend "
+                                       "that compacted it.")
+                d.compact_codes[i] = rows(carrays[i][0], cids, d.compact_code_bytes)
+                d.compact_scales[i] = rows(carrays[i][1], cids, d.compact_scale_bytes)
+    if not d.n_compact:  # the file names a compact spec only when it holds compact blocks
+        d.compact, d.compact_code_bytes, d.compact_scale_bytes = None, 0, 0
     if d.has_stage:
         d.stage = [np.array(arrays[i][2][conv.seq]) for i in range(d.num_layers)]
     return d
@@ -386,10 +488,11 @@ def restore(engine, path) -> int:
 
 
 def blocks_to_restore(d: ConversationData) -> list[int]:
-    """Free blocks each layer group needs to restore d, at its peak: the present blocks before the
-    last one stay while the last one is allocated (holes are dropped as soon as their block is written)."""
+    """Free default blocks each layer group needs to restore d, at its peak: the default blocks before
+    the last one stay while the last one is allocated (each logical block is allocated in the default
+    region as it is restored; a hole is dropped, a compact block moved to the compact region at once)."""
     nb = -(-len(d.tokens) // d.block_size)
-    return [sum(grp.present[:nb - 1]) + (1 if nb else 0) for grp in d.groups]
+    return [sum(1 for p in grp.present[:nb - 1] if p == DEFAULT) + (1 if nb else 0) for grp in d.groups]
 
 
 def restore_data(engine, d: ConversationData, path) -> int:
@@ -408,7 +511,8 @@ def restore_data(engine, d: ConversationData, path) -> int:
 
 def restore_sequence(engine, d: ConversationData, path) -> int:
     """The pool part of restore_data: a new sequence slot holding the file's blocks and stage rows
-    (the engine's adaptive policy maps a spilled conversation back into its own Conversation)."""
+    (the engine's adaptive policy maps a spilled conversation back into its own Conversation). Compact
+    blocks go into free blocks of the engine's compact region, all of them or none (PoolExhausted)."""
     from toolkit.errors import PoolExhausted, PoolStateError
 
     check_compatible(d, describe(engine), path)
@@ -426,10 +530,17 @@ def restore_sequence(engine, d: ConversationData, path) -> int:
     for g, grp in enumerate(d.groups):  # holes only where this engine's pool could have made them
         if any(grp.present[:dead_blocks(grp.window, bs, n)]) or (n % bs and not grp.present[-1]):
             _fail(path, f"holds blocks of layer group {g} that its window would not keep (damaged)")
+        if grp.n_compact and g != 0:  # the engine's compact region belongs to its first (global) group
+            _fail(path, f"holds compact blocks in layer group {g}, which has no compact region here",
+                  "restore it with the artifacts that saved it")
     for g, (need, p) in enumerate(zip(blocks_to_restore(d), pool.pools)):
         if need > p.num_free_blocks:
             raise PoolExhausted(need, p.num_free_blocks, what=f"restoring {path} ({n} tokens) in layer group {g}")
+    if d.n_compact > pool.main.num_free_compact_blocks:
+        raise PoolExhausted(d.n_compact, pool.main.num_free_compact_blocks,
+                            what=f"restoring {path}: its compact-tier blocks in the compact region")
     arrays = pool_arrays(engine) if nb or d.has_stage else []
+    carrays = compact_arrays(engine) if d.n_compact else {}
     seq = pool.new_sequence()
     try:
         for i in range(nb):
@@ -437,24 +548,41 @@ def restore_sequence(engine, d: ConversationData, path) -> int:
             pool.reserve(seq, len(chunk))  # a fresh sequence: no copy-on-write copies
             pool.commit(seq, chunk)  # registers full blocks in the prefix cache; sliding groups trim
             for grp, p in zip(d.groups, pool.pools):
-                if not grp.present[i] and p.block_table(seq)[i] >= 0:
+                b = p.block_table(seq)[i]
+                if grp.present[i] == HOLE and b >= 0:
                     p.drop_blocks(seq, [i])
-        for g, grp in enumerate(d.groups):
-            table = pool.block_table(seq, g)[:nb]
-            if [b >= 0 for b in table] != grp.present:
+                elif grp.present[i] == COMPACT:
+                    b, _ = p.compact(seq, i)  # only its compact records are written below
+                else:
+                    continue
+                p.forget_cached(b)  # a default block never written: no later sequence may share it
+        tables = [pool.block_table(seq, g)[:nb] for g in range(len(d.groups))]
+        for g, (grp, table) in enumerate(zip(d.groups, tables)):  # every check before the first record is written
+            n_default = engine.groups[g].num_blocks
+            if [HOLE if b < 0 else DEFAULT if b < n_default else COMPACT for b in table] != list(grp.present):
                 _fail(path, f"holds blocks of layer group {g} that its window (or the pool) would not keep (damaged)")
-            ids = np.asarray([b for b in table if b >= 0], np.int64)
-            if not len(ids):
-                continue
+        for g, (grp, table) in enumerate(zip(d.groups, tables)):
+            n_default = engine.groups[g].num_blocks
+            ids = np.asarray([b for b in table if 0 <= b < n_default], np.int64)
+            cids = np.asarray([b - n_default for b in table if b >= n_default], np.int64)
             for i in grp.layers:
-                codes, scales, _ = arrays[i]
-                codes[ids] = d.codes[i].view(codes.dtype).reshape((len(ids),) + codes.shape[1:])
-                if d.scale_bytes:
-                    scales[ids] = d.scales[i].view(scales.dtype).reshape((len(ids),) + scales.shape[1:])
+                if len(ids):
+                    codes, scales, _ = arrays[i]
+                    codes[ids] = d.codes[i].view(codes.dtype).reshape((len(ids),) + codes.shape[1:])
+                    if d.scale_bytes:
+                        scales[ids] = d.scales[i].view(scales.dtype).reshape((len(ids),) + scales.shape[1:])
+                if len(cids):
+                    ccodes, cscales = carrays[i]
+                    ccodes[cids] = d.compact_codes[i].view(ccodes.dtype).reshape((len(cids),) + ccodes.shape[1:])
+                    cscales[cids] = d.compact_scales[i].view(cscales.dtype).reshape((len(cids),) + cscales.shape[1:])
         if d.has_stage:
             for i in range(d.num_layers):
                 arrays[i][2][seq] = d.stage[i]
-    except BaseException:
+    except BaseException:  # the slot and its blocks go back; none of them keeps a prefix-cache entry
+        held = [(p, b) for p in pool.pools for b in p.block_table(seq) if 0 <= b < p.num_blocks]
         pool.release(seq)
+        for p, b in held:
+            if not p.refcount(b):
+                p.forget_cached(b)
         raise
     return seq

@@ -97,7 +97,7 @@ class Counters:
     spill_bytes: int = 0  # bytes written by those spills
     spill_failures: int = 0  # adaptive: a spill file could not be written (the next rung was taken)
     restores_from_spill: int = 0  # adaptive: a spilled conversation mapped back without prefill
-    spill_reprefills: int = 0  # adaptive: a spill file was unreadable; its tokens were prefilled again
+    spill_reprefills: int = 0  # adaptive: a spill file was unreadable (or its compact blocks found no room); prefilled again
     compactions: int = 0  # adaptive: one conversation's aged blocks re-quantized into the compact region
     compacted_blocks: int = 0  # blocks those compactions moved (each freed one default block)
 
@@ -117,13 +117,15 @@ class Engine:
       first rung compacts: blocks ending at least `compact_horizon` tokens back are moved into the
       compact region (runtime_sim/compact.py; fewer bits, the tokens stay), idle conversations least
       recently used first, then the active ones. Then idle conversations are spilled to flash, least
-      recently used first (one holding compact blocks is not: the conversation file has no compact
-      records yet; when nothing else can be spilled, such a conversation is evicted instead, its tokens
-      kept and prefilled again on its next turn): written with the conversation file writer
-      (runtime_sim/conversation_file.py) into `spill_dir` (default: a temp dir the engine owns and
-      removes), their slot and blocks freed; the conversation keeps its tokens. Its next turn maps
-      it back from the file without prefill (the same logits bit for bit), spilling others to make
-      room. Last, the active conversation slides as with "sliding". A spill that cannot be written
+      recently used first, compacted or not: written with the conversation file writer
+      (runtime_sim/conversation_file.py; compact blocks as their compact records) into `spill_dir`
+      (default: a temp dir the engine owns and removes), their slot and blocks (default and compact)
+      freed; the conversation keeps its tokens. After a spill the ladder starts again from the top
+      (the spill may have freed compact blocks). A spilled conversation's next turn maps it back from
+      the file without prefill (the same logits bit for bit), spilling others to make room, its compact
+      blocks into free compact blocks; if the compact region cannot hold them (the active conversations
+      hold it), or the file cannot be read, its tokens are prefilled again instead (spill_reprefills).
+      Last, the active conversation slides as with "sliding". A spill that cannot be written
       falls through to the next rung with the pool unchanged. Blocks shared with another
       conversation (fork, prefix cache) stay for it: a spill frees only what no one else holds.
     """
@@ -232,7 +234,7 @@ class Engine:
         slide=False: the policy's rungs that keep every token only (adaptive: compact and spill, never slide)."""
         active = {id(c) for c, _ in items}
         spill = self.policy == "adaptive"
-        compact = evict_compacted = spill and self._can_compact()
+        compact = can_compact = spill and self._can_compact()
         while True:
             needs = [self.pool.blocks_needed(c.seq, len(t), chunk) for c, t in items]
             frees = self.pool.free_blocks()
@@ -248,10 +250,9 @@ class Engine:
                 compact = False  # nothing more is old enough, or the compact region is full: next rung
             if spill:
                 if self._spill_one(active, short):
+                    compact = can_compact  # from the top: the spill may have freed compact blocks
                     continue
                 spill = False  # nothing left to spill, or a spill file could not be written: next rung
-            if evict_compacted and self._evict_one(active, compacted=True):
-                continue  # a compacted idle conversation cannot be spilled yet: it is re-prefilled instead
             if self.policy in ("sliding", "adaptive") and slide and self._slide(items):
                 continue
             what = f"{sum(len(t) for _, t in items)} new token(s)"
@@ -259,11 +260,9 @@ class Engine:
                 what += f" (policy '{self.policy}' found nothing more to free)"
             raise PoolExhausted(need, free, what)
 
-    def _evict_one(self, active: set[int], compacted: bool = False) -> bool:
-        """compacted=True (adaptive): only a resident conversation holding compact blocks."""
+    def _evict_one(self, active: set[int]) -> bool:
         idle = [c for c in self.conversations.values()
-                if id(c) not in active and c.spill is None and self.pool.length(c.seq) > 0
-                and (not compacted or self._holds_compact(c))]
+                if id(c) not in active and c.spill is None and self.pool.length(c.seq) > 0]
         if not idle:
             return False
         victim = min(idle, key=lambda c: c.last_used)
@@ -324,37 +323,38 @@ class Engine:
                 return True
         return False
 
-    def _holds_compact(self, conv: Conversation) -> bool:
-        return any(b >= self.groups[0].num_blocks for b in self.pool.block_table(conv.seq))
-
     def _spill_path(self, cid: int) -> Path:
         if self.spill_dir is None:  # a temp dir of our own, removed with the engine
             self.spill_dir = Path(tempfile.mkdtemp(prefix="pagedkv-spill-"))
             weakref.finalize(self, shutil.rmtree, str(self.spill_dir), True)
         return self.spill_dir / f"spill-{self._spill_tag}-{cid}.pkvc"
 
-    def _freed_by_release(self, seq: int) -> list[int]:
-        """Blocks of each layer group that releasing seq would free: those no other sequence holds
-        (a block shared by a fork or a restored prefix stays for the others)."""
-        out = []
+    def _freed_by_release(self, seq: int) -> tuple[list[int], int]:
+        """Blocks that releasing seq would free: of each layer group's default region, and of the
+        compact region; those no other sequence holds (a block shared by a fork or a restored prefix
+        stays for the others)."""
+        out, compact = [], 0
         for g in range(len(self.groups)):
             others = {b for s in self.pool.live_sequences() if s != seq for b in self.pool.block_table(s, g)}
             n = self.groups[g].num_blocks  # ids >= n: compact blocks, which free no default block
-            out.append(sum(1 for b in self.pool.block_table(seq, g) if 0 <= b < n and b not in others))
-        return out
+            mine = [b for b in self.pool.block_table(seq, g) if b >= 0 and b not in others]
+            out.append(sum(1 for b in mine if b < n))
+            compact += sum(1 for b in mine if b >= n)
+        return out, compact
 
-    def _spill_one(self, protect: set[int], short: list[int] | None) -> bool:
+    def _spill_one(self, protect: set[int], short: list[int] | None, compact_short: bool = False) -> bool:
         """Spill the least recently used resident conversation not in protect (ids of Conversation
-        objects) that frees a block of a short layer group (short=None: one that frees a sequence
-        slot, any will do). False if there is none, or if its file could not be written (then the
-        pool and the conversation are as they were)."""
+        objects) that frees a block of a short layer group, or a compact block if compact_short
+        (short=None and not compact_short: one that frees a sequence slot, any will do). False if
+        there is none, or if its file could not be written (then the pool and the conversation are as
+        they were)."""
         best = None
         for cid, c in self.conversations.items():
-            if c.spill is not None or id(c) in protect or self._holds_compact(c):
-                continue  # (the conversation file has no compact records yet: such a conversation stays)
-            if short is not None:
-                freed = self._freed_by_release(c.seq)
-                if not any(freed[g] for g in short):
+            if c.spill is not None or id(c) in protect:
+                continue
+            if short is not None or compact_short:
+                freed, freed_compact = self._freed_by_release(c.seq)
+                if not (any(freed[g] for g in short or ()) or (compact_short and freed_compact)):
                     continue
             if best is None or c.last_used < best[1].last_used:
                 best = (cid, c)
@@ -385,15 +385,17 @@ class Engine:
             pass
 
     def _room_for_file(self, d, protect: set[int]) -> None:
-        """adaptive: spill idle conversations until the saved conversation d can be restored."""
+        """adaptive: spill idle conversations until the saved conversation d can be restored (its
+        default blocks, its compact blocks and a sequence slot)."""
         from runtime_sim.conversation_file import blocks_to_restore
 
         need = blocks_to_restore(d)
         while self.policy == "adaptive":
             short = [g for g, (n, f) in enumerate(zip(need, self.pool.free_blocks())) if n > f]
-            if not short and len(self.pool.live_sequences()) < self.pool.max_seqs:
+            compact_short = d.n_compact > self.pool.main.num_free_compact_blocks
+            if not short and not compact_short and len(self.pool.live_sequences()) < self.pool.max_seqs:
                 return
-            if not self._spill_one(protect, short or None):
+            if not self._spill_one(protect, short or None, compact_short):
                 return  # restore_sequence raises the shortage, nothing changed
 
     def _drop_spill(self, conv: Conversation) -> None:
@@ -418,19 +420,26 @@ class Engine:
             if d.tokens != conv.history or d.pending != conv.pending:
                 raise conversation_file.ConversationFileError(f"spill file {path} holds other tokens")
         except PagedKVError as e:  # deleted or damaged behind our back: its tokens are still here
-            self._make_slot(protect)
-            conv.seq = self.pool.new_sequence()
-            self._drop_spill(conv)
-            conv.history, conv.pending = [], conv.history + conv.pending  # prefilled on this turn
-            self.counters.spill_reprefills += 1
-            log.warning("spilled conversation %d cannot be read back (%s): its %d tokens are prefilled again",
-                        cid, e, len(conv.pending))
-            return conv
+            return self._reprefill_spilled(cid, conv, protect, f"cannot be read back ({e})")
         self._room_for_file(d, protect)
+        if d.n_compact > self.pool.main.num_free_compact_blocks:  # the conversations of this step hold them
+            return self._reprefill_spilled(cid, conv, protect, f"needs {d.n_compact} compact block(s), "
+                                           f"{self.pool.main.num_free_compact_blocks} can be had")
         conv.seq = conversation_file.restore_sequence(self, d, path)  # raises with nothing changed
         self._drop_spill(conv)
         self.counters.restores_from_spill += 1
         log.info("restored conversation %d (%d tokens) from its spill file", cid, len(conv.history))
+        return conv
+
+    def _reprefill_spilled(self, cid: int, conv: Conversation, protect: set[int], why: str) -> Conversation:
+        """A spilled conversation that cannot be mapped back: a fresh slot, its file dropped, its tokens
+        pending (prefilled again on this turn, under the ladder like any prompt)."""
+        self._make_slot(protect)
+        conv.seq = self.pool.new_sequence()
+        self._drop_spill(conv)
+        conv.history, conv.pending = [], conv.history + conv.pending
+        self.counters.spill_reprefills += 1
+        log.warning("spilled conversation %d %s: its %d tokens are prefilled again", cid, why, len(conv.pending))
         return conv
 
     def spilled(self) -> list[int]:

@@ -517,17 +517,22 @@ def test_compact_aged_errors():
         compile(tiny_model("llama"), "fp16", num_blocks=8, compact_blocks=2)
 
 
-def test_save_of_a_compacted_conversation_is_refused(tmp_path):
-    """The conversation file has no compact records yet: save (and so the adaptive policy's spill, which
-    then takes its next rung) refuses such a conversation with nothing written and the pool unchanged."""
+def test_save_of_a_compacted_conversation_writes_its_compact_records(tmp_path):
+    """The conversation file (format version 2) holds compact blocks as their compact records; saving
+    changes nothing in the pool. Round trips and bad files: tests/test_save_restore.py."""
+    from runtime_sim import conversation_file as cf
     from runtime_sim.compact import compact_aged
 
     e = _compact_engine()
     c = e.new_conversation()
     e.prefill(c, list(range(3, 90)))
-    assert compact_aged(e, c, 16)
+    moved = compact_aged(e, c, 16)
     table = e.pool.block_table(e.conversations[c].seq)
-    with pytest.raises(PagedKVError, match="compact tier"):
-        e.save(c, tmp_path / "c.pkv")
-    assert list(tmp_path.iterdir()) == [] and e.pool.block_table(e.conversations[c].seq) == table
+    e.save(c, tmp_path / "c.pkvc")
+    d = cf.read(tmp_path / "c.pkvc")
+    assert d.groups[0].present == [cf.COMPACT if b >= 16 else cf.DEFAULT for b in table] and d.n_compact == len(moved)
+    for i, (cc, cs) in e.backend.paged.compact_pool_tensors().items():
+        assert (d.compact_codes[i] == cc[[dst - 16 for _, _, dst in moved]].numpy()).all()
+        assert (d.compact_scales[i] == cs[[dst - 16 for _, _, dst in moved]].numpy().view("uint8")).all()
+    assert e.pool.block_table(e.conversations[c].seq) == table
     e.check_invariants()

@@ -1,6 +1,7 @@
 """The engine's 'adaptive' pool policy (issue #25's pressure ladder): on a model with a compact region,
 aged blocks compacted first (idle conversations LRU first, then the active one); then idle
-conversations spilled to flash (conversation files) and mapped back without prefill, then sliding.
+conversations spilled to flash (conversation files, compact blocks as their compact records) and
+mapped back without prefill, then sliding.
 
 A conversation that was spilled and restored must give the same logits bit for bit as the same
 conversation in an engine that never spilled (same backend, same calls for that conversation).
@@ -37,6 +38,21 @@ def step_both(a, ca, r, cr, tokens):
 
 def table(e, cid):
     return e.pool.block_table(e.conversations[cid].seq)
+
+
+def records(e, cid):
+    """What a conversation's next logits depend on besides its tokens: per layer, the records of its
+    blocks in logical order (a compact block's from the compact region, tagged) and its stage rows."""
+    conv, n = e.conversations[cid], e.groups[0].num_blocks
+    ids = table(e, cid)[:-(-len(conv.history) // e.pool.block_size)]
+    compact = e.backend.paged.compact_pool_tensors()
+    out = []
+    for i, (codes, scales, stage) in enumerate(e.backend.pool_arrays()):
+        for b in ids:
+            out.append(("default", codes[b].tobytes(), scales[b].tobytes()) if b < n else
+                       ("compact", compact[i][0][b - n].numpy().tobytes(), compact[i][1][b - n].numpy().tobytes()))
+        out.append(stage[conv.seq].tobytes())
+    return out
 
 
 # ------------------------------------------------------------------------ spill and restore, torch
@@ -295,7 +311,8 @@ def test_ladder_state_machine():
 
 class CompactLadderMachine(LadderMachine):
     """The same machine on a model with a compact region (8 default + 6 compact blocks) and a 16-token
-    horizon: the compact rung comes first, and a conversation holding compact blocks is never spilled."""
+    horizon: the compact rung comes first; conversations holding compact blocks are spilled like any
+    other (their files hold the compact records) and mapped back into the compact region."""
 
     def __init__(self):
         super().__init__()
@@ -309,13 +326,26 @@ class CompactLadderMachine(LadderMachine):
 
     def teardown(self):
         self.taken["compactions"] = self.taken.get("compactions", 0) + self.e.counters.compactions
+        self.taken["compacted_spills"] = self.taken.get("compacted_spills", 0) + len(self.compacted_files)
         super().teardown()
 
+    @property
+    def compacted_files(self) -> set:
+        if not hasattr(self, "_compacted_files"):
+            self._compacted_files = set()  # spill files seen holding compact blocks
+        return self._compacted_files
+
     @invariant()
-    def compacted_conversations_stay_resident(self):
+    def compact_blocks_only_where_allowed(self):
+        from runtime_sim import conversation_file as cf
+
         n = self.e.pool.main.num_blocks
         for c in self.e.conversations.values():
             if c.spill is not None:
+                d = cf.read(c.spill)  # a spilled conversation's file: its tokens, compact blocks included
+                assert d.tokens == c.history and d.pending == c.pending
+                if d.n_compact:
+                    self.compacted_files.add((c.spill.name, tuple(d.tokens)))
                 continue
             assert all(b < n for b in self.e.pool.block_table(c.seq)[:self.e.sink_blocks])  # sinks never move
             full = self.e.pool.length(c.seq) // self.e.pool.block_size
@@ -329,7 +359,8 @@ def test_ladder_state_machine_with_the_compact_rung():
     run_state_machine_as_test(CompactLadderMachine, settings=settings(
         max_examples=4, stateful_step_count=20, deadline=None, derandomize=True, database=None,
         suppress_health_check=[HealthCheck.too_slow]))
-    assert CompactLadderMachine.taken.get("compactions"), CompactLadderMachine.taken
+    assert all(CompactLadderMachine.taken.get(k) for k in ("compactions", "compacted_spills", "restores_from_spill")), \
+        CompactLadderMachine.taken
 
 
 # ------------------------------------------------------------------ the compact rung, deterministic
@@ -339,8 +370,9 @@ def test_compact_rung_comes_before_spill_and_slide(tmp_path):
     """10 default + 6 compact blocks, horizon 16: a new chat that needs blocks first compacts the idle
     chats' aged blocks (LRU first; nothing spilled or slid while that suffices), a chat never compacted
     gives the logits of a run without pressure bit for bit, and every chat keeps generating. Once the
-    compact region is full, the compacted chats cannot spill (no compact records in the file yet), so the
-    least recently used one is evicted (its tokens kept, prefilled again on its next turn)."""
+    compact region is full, the least recently used idle chat (compacted) is spilled with its compact
+    records, freeing blocks of both regions; nothing is evicted or slid, and its next turn maps it back
+    from the file with the same records and no prefill."""
     paged = compile(tiny_model("llama"), "default", num_blocks=10, max_seqs=3, compact_blocks=6)
     e = Engine(TorchBackend(paged), prefill_chunk=16, policy="adaptive", spill_dir=tmp_path, compact_horizon=16)
     r = torch_engine(32, "error")  # the reference never runs short (no compact region: same bits without one)
@@ -379,21 +411,32 @@ def test_compact_rung_comes_before_spill_and_slide(tmp_path):
         assert len(out) == 5 and all(0 <= t < 512 for t in out)
         e.check_invariants()
 
-    # compact region full (6/6): the next shortage cannot compact or spill (a and b hold compact blocks),
-    # so a (least recently used) is evicted; no token is lost from any history, nothing slides
+    # compact region full (6/6): the next shortage cannot compact, so a (the least recently used idle
+    # chat, compacted) is spilled with its compact records; no token is lost, nothing is evicted or slid
     before = e.stats()["ladder"]
     assert before["compact_blocks_in_use"] == 6
-    want_a = e.conversations[a].history + e.conversations[a].pending
+    want_a = records(e, a)
+    kinds_a = [x >= n for x in table(e, a)]
+    toks_a = (list(e.conversations[a].history), list(e.conversations[a].pending))
     for t in range(20):
         e.step({c: [80 + t]})
         e.check_invariants()
     s = e.stats()["ladder"]
-    assert s["compactions"] == before["compactions"] and s["spills"] == 0 and s["slides"] == 0, (s, before, e.pool.free_blocks())
-    assert s["evictions"] == 1 and s["spill_failures"] == 0  # compacted chats are skipped, not tried and failed
-    ca = e.conversations[a]
-    assert ca.history == [] and ca.pending == want_a and e.stats()["ladder"]["compact_blocks_in_use"] == 3
-    e.prefill(a, [13])  # a comes back by prefill (under the ladder again)
-    assert e.conversations[a].history == want_a + [13]
+    assert e.spilled() == [a] and s["spills"] == 1 and s["spill_bytes"] > 0, (s, e.spilled())
+    assert (s["evictions"], s["slides"], s["spill_failures"]) == (0, 0, 0)
+    assert (e.conversations[a].history, e.conversations[a].pending) == toks_a
+    assert s["compact_blocks_in_use"] == 3 + s["compacted_blocks"] - before["compacted_blocks"]
+    # a's next turn maps it back (save() makes it resident first; b, now the least recently used, is
+    # spilled for room): its compact blocks into the compact region, every record as it was, no prefill
+    prefilled = e.counters.prefill_tokens
+    e.save(a, tmp_path / "a.pkvc")
+    s = e.stats()["ladder"]
+    assert e.spilled() == [b] and (s["spills"], s["restores_from_spill"], s["evictions"]) == (2, 1, 0)
+    assert [x >= n for x in table(e, a)] == kinds_a and records(e, a) == want_a
+    e.check_invariants()
+    e.prefill(a, [13])
+    assert e.counters.prefill_tokens - prefilled == len(toks_a[1]) + 1
+    assert e.conversations[a].history == toks_a[0] + toks_a[1] + [13]
     e.check_invariants()
     for cid in (a, b, c):
         e.close(cid)

@@ -96,7 +96,13 @@ std::string ConvSpec::describe() const {
 
 size_t ConvGroup::n_present() const {
   size_t k = 0;
-  for (uint8_t b : present) k += b ? 1 : 0;
+  for (uint8_t b : present) k += b == kBlockDefault ? 1 : 0;
+  return k;
+}
+
+size_t ConvGroup::n_compact() const {
+  size_t k = 0;
+  for (uint8_t b : present) k += b == kBlockCompact ? 1 : 0;
   return k;
 }
 
@@ -121,9 +127,8 @@ ConversationFile parse_conversation(const uint8_t* data, size_t n, const std::st
     fail(where, "is not a pagedkv conversation file (bad magic)", "give a file written by /save or Engine.save");
   Reader hr{data, n, sizeof(kMagic), where};
   const uint32_t version = hr.u32("header");
-  if (version != kConversationFormatVersion)
-    fail(where, "has format version " + std::to_string(version) + ", this runner reads " +
-                    std::to_string(kConversationFormatVersion),
+  if (version != 1 && version != 2)
+    fail(where, "has format version " + std::to_string(version) + ", this runner reads 1 and 2",
          "restore it with the pagedkv that saved it, or save the conversation again");
   if (n < sizeof(kMagic) + 8) fail(where, "is truncated (no checksum)");
   const size_t body = n - 4;
@@ -144,6 +149,17 @@ ConversationFile parse_conversation(const uint8_t* data, size_t n, const std::st
   f.code_bytes = r.u32("header");
   f.scale_bytes = r.u32("header");
   const uint32_t has_stage = r.u32("header");
+  bool has_compact = false;  // version 2: the compact spec and record sizes (all zero: no compact blocks)
+  if (version >= 2) {
+    uint32_t* cspec[] = {&f.compact_spec.k_bits, &f.compact_spec.v_bits, &f.compact_spec.k_group,
+                         &f.compact_spec.v_group, &f.compact_spec.k_sym, &f.compact_spec.v_sym,
+                         &f.compact_spec.rotate, &f.compact_spec.fp_tail, &f.compact_spec.sink_blocks,
+                         &f.compact_code_bytes, &f.compact_scale_bytes};
+    for (uint32_t* v : cspec) {
+      *v = r.u32("compact spec");
+      has_compact = has_compact || *v;
+    }
+  }
   const uint32_t n_tokens = r.u32("header"), n_pending = r.u32("header"), n_groups = r.u32("header");
   if (!(f.num_layers >= 1 && f.num_layers <= kMaxLayers && f.num_kv_heads >= 1 && f.num_kv_heads <= kMaxHeads &&
         f.head_dim >= 1 && f.head_dim <= kMaxHeadDim && (f.block_size == 16 || f.block_size == 32) &&
@@ -156,7 +172,18 @@ ConversationFile parse_conversation(const uint8_t* data, size_t n, const std::st
   record_sizes(f.spec, f.head_dim, &cb, &sb, &item);
   if (cb != f.code_bytes || sb != f.scale_bytes || item != f.codes_itemsize)
     fail(where, "has record sizes its spec does not give (damaged)");
-  const uint32_t n_blocks = (n_tokens + f.block_size - 1) / f.block_size;
+  if (has_compact) {  // toolkit/kv_spec.py check_compact: quantized both, the same rotation, fewer bytes
+    const ConvSpec& c = f.compact_spec;
+    if (!spec_valid(c, f.head_dim) || is_float_bits(c.k_bits) || is_float_bits(f.spec.k_bits) ||
+        c.rotate != f.spec.rotate)
+      fail(where, "holds an invalid compact spec (" + c.describe() + " for " + f.spec.describe() + ")");
+    record_sizes(c, f.head_dim, &cb, &sb, &item);
+    if (cb + sb >= f.code_bytes + f.scale_bytes)
+      fail(where, "holds an invalid compact spec (" + c.describe() + " is not smaller than " + f.spec.describe() + ")");
+    if (cb != f.compact_code_bytes || sb != f.compact_scale_bytes)
+      fail(where, "has compact record sizes its compact spec does not give (damaged)");
+  }
+  const uint32_t n_blocks = (n_tokens + f.block_size - 1) / f.block_size, n_full = n_tokens / f.block_size;
   std::vector<uint8_t> seen(f.num_layers, 0);
   size_t covered = 0;
   for (uint32_t g = 0; g < n_groups; ++g) {
@@ -175,11 +202,17 @@ ConversationFile parse_conversation(const uint8_t* data, size_t n, const std::st
     if (nb != n_blocks) fail(where, "has an impossible layer group (damaged)");
     const uint8_t* pr = r.take(nb, "layer groups");
     grp.present.assign(pr, pr + nb);
-    for (uint8_t b : grp.present)
-      if (b > 1) fail(where, "has an impossible layer group (damaged)");
+    for (uint32_t i = 0; i < nb; ++i) {
+      const uint8_t b = grp.present[i];
+      if (b > (version >= 2 ? kBlockCompact : kBlockDefault)) fail(where, "has an impossible layer group (damaged)");
+      // compact blocks: only full blocks of a global group, and only with a compact spec
+      if (b == kBlockCompact && (grp.window || !has_compact || i >= n_full))
+        fail(where, "has a compact block where none can be (damaged)");
+    }
     f.groups.push_back(std::move(grp));
   }
   if (covered != f.num_layers) fail(where, "has layer groups that do not cover every layer (damaged)");
+  if (has_compact && !f.n_compact()) fail(where, "has a compact spec but no compact block (damaged)");
   for (auto* v : {&f.tokens, &f.pending}) {
     const uint32_t count = v == &f.tokens ? n_tokens : n_pending;
     const uint8_t* b = r.take(static_cast<size_t>(count) * 4, "tokens");
@@ -193,18 +226,22 @@ ConversationFile parse_conversation(const uint8_t* data, size_t n, const std::st
   f.app.assign(reinterpret_cast<const char*>(app), n_app);
   f.codes.resize(f.num_layers);
   f.scales.resize(f.num_layers);
+  f.compact_codes.resize(f.num_layers);
+  f.compact_scales.resize(f.num_layers);
+  auto records = [&](std::vector<uint8_t>& out, size_t blocks, uint32_t width, const std::string& what) {
+    const size_t k = blocks * f.block_record_bytes(width);
+    const uint8_t* b = r.take(k, what.c_str());
+    out.assign(b, b + k);
+  };
   for (const ConvGroup& grp : f.groups) {
-    const size_t np = grp.n_present();
+    const size_t np = grp.n_present(), nc = grp.n_compact();
     for (uint32_t l : grp.layers) {
-      const std::string what = "codes of layer " + std::to_string(l);
-      const size_t nc = np * f.block_record_bytes(f.code_bytes);
-      const uint8_t* c = r.take(nc, what.c_str());
-      f.codes[l].assign(c, c + nc);
-      if (f.scale_bytes) {
-        const std::string sw = "scales of layer " + std::to_string(l);
-        const size_t ns = np * f.block_record_bytes(f.scale_bytes);
-        const uint8_t* s = r.take(ns, sw.c_str());
-        f.scales[l].assign(s, s + ns);
+      const std::string layer = " of layer " + std::to_string(l);
+      records(f.codes[l], np, f.code_bytes, "codes" + layer);
+      if (f.scale_bytes) records(f.scales[l], np, f.scale_bytes, "scales" + layer);
+      if (nc) {
+        records(f.compact_codes[l], nc, f.compact_code_bytes, "compact codes" + layer);
+        records(f.compact_scales[l], nc, f.compact_scale_bytes, "compact scales" + layer);
       }
     }
   }
@@ -236,11 +273,20 @@ std::vector<uint8_t> encode_conversation(const ConversationFile& f) {
   std::vector<uint8_t> out(kMagic, kMagic + sizeof(kMagic));
   put_u32(out, kConversationFormatVersion);
   put_bytes(out, f.model_sha256.data(), 32);
+  // the compact spec and sizes only when the file holds compact blocks (else zeros), as the Python writer
+  const bool compact = f.n_compact() > 0;
+  if (compact && f.compact_spec.none()) bad("compact blocks need their compact spec");
+  const ConvSpec& c = f.compact_spec;
   for (uint32_t v : {f.num_layers, f.num_kv_heads, f.head_dim, f.block_size, f.spec.k_bits, f.spec.v_bits,
                      f.spec.k_group, f.spec.v_group, f.spec.k_sym, f.spec.v_sym, f.spec.rotate, f.spec.fp_tail,
                      f.spec.sink_blocks, f.codes_itemsize, f.code_bytes, f.scale_bytes,
-                     static_cast<uint32_t>(f.has_stage), static_cast<uint32_t>(f.tokens.size()),
-                     static_cast<uint32_t>(f.pending.size()), static_cast<uint32_t>(f.groups.size())})
+                     static_cast<uint32_t>(f.has_stage)})
+    put_u32(out, v);
+  for (uint32_t v : {c.k_bits, c.v_bits, c.k_group, c.v_group, c.k_sym, c.v_sym, c.rotate, c.fp_tail, c.sink_blocks,
+                     f.compact_code_bytes, f.compact_scale_bytes})
+    put_u32(out, compact ? v : 0);
+  for (uint32_t v : {static_cast<uint32_t>(f.tokens.size()), static_cast<uint32_t>(f.pending.size()),
+                     static_cast<uint32_t>(f.groups.size())})
     put_u32(out, v);
   for (const ConvGroup& g : f.groups) {
     if (g.present.size() != n_blocks) bad("a group's present list must have one entry per logical block");
@@ -255,13 +301,21 @@ std::vector<uint8_t> encode_conversation(const ConversationFile& f) {
   put_u32(out, static_cast<uint32_t>(f.app.size()));
   put_bytes(out, f.app.data(), f.app.size());
   for (const ConvGroup& g : f.groups) {
-    const size_t np = g.n_present();
+    const size_t np = g.n_present(), nc = g.n_compact();
     for (uint32_t l : g.layers) {
       if (l >= f.num_layers || f.codes[l].size() != np * f.block_record_bytes(f.code_bytes) ||
           (f.scale_bytes && f.scales[l].size() != np * f.block_record_bytes(f.scale_bytes)))
         bad("layer " + std::to_string(l) + "'s records do not match its group's present blocks");
       put_bytes(out, f.codes[l].data(), f.codes[l].size());
       if (f.scale_bytes) put_bytes(out, f.scales[l].data(), f.scales[l].size());
+      if (nc) {
+        if (f.compact_codes.size() != f.num_layers || f.compact_scales.size() != f.num_layers ||
+            f.compact_codes[l].size() != nc * f.block_record_bytes(f.compact_code_bytes) ||
+            f.compact_scales[l].size() != nc * f.block_record_bytes(f.compact_scale_bytes))
+          bad("layer " + std::to_string(l) + "'s compact records do not match its group's compact blocks");
+        put_bytes(out, f.compact_codes[l].data(), f.compact_codes[l].size());
+        put_bytes(out, f.compact_scales[l].data(), f.compact_scales[l].size());
+      }
     }
   }
   if (f.has_stage)
@@ -324,6 +378,17 @@ void check_conversation_compatible(const ConversationFile& f, const Conversation
   for (size_t g = 0; same && g < f.groups.size(); ++g)
     same = f.groups[g].window == want.groups[g].window && f.groups[g].layers == want.groups[g].layers;
   if (!same) fail(where, "has other layer groups than this pool", fix);
+  if (const size_t nc = f.n_compact()) {  // compact blocks go into the pool's compact region, in its spec
+    if (want.compact_spec.none())
+      fail(where, "holds " + std::to_string(nc) + " block(s) in the compact tier (re-quantized to " +
+                      f.compact_spec.describe() + "), this pool has no compact region",
+           "restore it with pagedkv's engine on a model compiled with compact_blocks=N (the Android runner has "
+           "no compact tier yet), or save it before compacting");
+    if (!(f.compact_spec == want.compact_spec) || f.compact_code_bytes != want.compact_code_bytes ||
+        f.compact_scale_bytes != want.compact_scale_bytes)
+      fail(where, "holds compact blocks in spec " + f.compact_spec.describe() + ", this pool's compact region is " +
+                      want.compact_spec.describe(), fix);
+  }
 }
 
 }  // namespace pagedkv_rt

@@ -1,10 +1,12 @@
-// The pagedkv conversation file (format version 1): a conversation's KV blocks as they lie in the
-// pool, the fp16 stage rows of its sequence slot, its tokens and the identity a reader checks. The
+// The pagedkv conversation file (format version 2; version 1 is read too): a conversation's KV blocks
+// as they lie in the pool (default and compact region), the fp16 stage rows of its sequence slot, its
+// tokens and the identity a reader checks. The
 // format is documented in toolkit/CONVERSATION_FORMAT.md; runtime_sim/conversation_file.py reads and
 // writes the same bytes (tests/test_save_restore.py checks each side reads the other's files).
 //
 //   ConversationFile f = read_conversation_file(path);   // throws RunnerError(kArgument), one line
-//   check_conversation_compatible(f, want, path);        // same model sha256, dims, spec, groups
+//   check_conversation_compatible(f, want, path);        // same model sha256, dims, spec, groups,
+//                                                        // compact spec if f holds compact blocks
 //   write_conversation_file(path, f);                    // atomic: temp file, fsync, rename
 //
 // Plain C++17, no ExecuTorch and no Android headers.
@@ -18,20 +20,24 @@
 
 namespace pagedkv_rt {
 
-constexpr uint32_t kConversationFormatVersion = 1;
+constexpr uint32_t kConversationFormatVersion = 2;  // written; versions 1 and 2 are read
+// ConvGroup::present values: a hole, a block of the default region, a block of the compact region (v2)
+constexpr uint8_t kBlockHole = 0, kBlockDefault = 1, kBlockCompact = 2;
 
 struct ConvSpec {  // KVQuantSpec's fields in the file's order (booleans 0/1)
   uint32_t k_bits = 0, v_bits = 0, k_group = 0, v_group = 0, k_sym = 0, v_sym = 0, rotate = 0, fp_tail = 0,
            sink_blocks = 0;
   bool operator==(const ConvSpec& o) const;
+  bool none() const { return k_bits == 0; }  // the all-zero spec: no compact blocks
   std::string describe() const;
 };
 
 struct ConvGroup {
   uint32_t window = 0;             // 0 = global, W = sliding window
   std::vector<uint32_t> layers;    // the group's layers in the engine's order
-  std::vector<uint8_t> present;    // per logical block: 1 held, 0 a hole
-  size_t n_present() const;
+  std::vector<uint8_t> present;    // per logical block: kBlockHole, kBlockDefault or kBlockCompact
+  size_t n_present() const;        // default-region blocks (their records in codes/scales)
+  size_t n_compact() const;        // compact-region blocks (their records in compact_codes/compact_scales)
 };
 
 struct ConversationFile {
@@ -43,9 +49,22 @@ struct ConversationFile {
   std::vector<int32_t> tokens, pending;
   std::vector<ConvGroup> groups;
   std::string app;  // the application's own bytes (pagedkv chat: its messages as JSON)
-  // per layer: its group's present blocks in logical order, [n_present, Hkv, bs, code_bytes] and
+  // the compact tier (v2): the compact blocks' spec and record sizes, all zero when the file holds none
+  // (in a pool description: the pool's compact region, zero without one; the Android runner has none)
+  ConvSpec compact_spec;
+  uint32_t compact_code_bytes = 0, compact_scale_bytes = 0;
+  // per layer: its group's default blocks in logical order, [n_present, Hkv, bs, code_bytes] and
   // [n_present, Hkv, bs, scale_bytes]; stage: [2, 2, Hkv, bs, head_dim] float16 (raw bytes)
   std::vector<std::vector<uint8_t>> codes, scales, stage;
+  // per layer (empty for layers of groups without compact blocks): its compact blocks in logical order,
+  // [n_compact, Hkv, bs, compact_code_bytes] and [n_compact, Hkv, bs, compact_scale_bytes]
+  std::vector<std::vector<uint8_t>> compact_codes, compact_scales;
+
+  size_t n_compact() const {
+    size_t k = 0;
+    for (const ConvGroup& g : groups) k += g.n_compact();
+    return k;
+  }
 
   size_t block_record_bytes(uint32_t width) const {  // one block of one layer
     return static_cast<size_t>(num_kv_heads) * block_size * width;
