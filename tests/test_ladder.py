@@ -444,6 +444,33 @@ def test_compact_rung_comes_before_spill_and_slide(tmp_path):
     assert e.pool.num_free_blocks == 10 and e.pool.main.num_free_compact_blocks == 6
 
 
+def test_spilled_compacted_conversation_without_compact_room_is_prefilled_again(tmp_path):
+    """A spilled compacted conversation whose compact blocks cannot be mapped back (the other
+    conversation of the same step holds the whole compact region, so nothing can be spilled for room)
+    comes back by prefill of its tokens: nothing lost, the file dropped, counted as a spill reprefill."""
+    from runtime_sim.compact import compact_aged
+
+    paged = compile(tiny_model("llama"), "default", num_blocks=20, max_seqs=3, compact_blocks=3)
+    e = Engine(TorchBackend(paged), prefill_chunk=16, policy="adaptive", spill_dir=tmp_path, compact_horizon=16)
+    a, b, c = e.new_conversation(), e.new_conversation(), e.new_conversation()
+    pa = [(7 * i + 3) % 500 + 3 for i in range(80)]
+    e.prefill(a, pa)
+    assert len(compact_aged(e, a, 16)) == 3  # the compact region is full; a holds 2 default blocks
+    e.prefill(c, [(11 * i + 5) % 500 + 3 for i in range(300)])  # 19 blocks: a (idle, compacted) is spilled
+    assert e.spilled() == [a] and e.pool.main.num_free_compact_blocks == 3
+    e.close(c)
+    e.prefill(b, list(range(3, 103)))
+    assert len(compact_aged(e, b, 16)) == 3  # b takes the whole compact region
+    s0 = e.stats()["ladder"]
+    out = e.step({a: [5], b: [6]})  # both in one step: b cannot be spilled to make room for a's compact blocks
+    s = e.stats()["ladder"]
+    assert (s["spill_reprefills"], s["restores_from_spill"]) == (1, s0["restores_from_spill"]) and e.spilled() == []
+    assert e.conversations[a].history == pa + [5] and len(out[a]) == 512
+    assert all(x < 20 for x in table(e, a)) and sum(x >= 20 for x in table(e, b)) == 3
+    assert (s["slides"], s["evictions"]) == (0, 0) and not list(tmp_path.iterdir())  # a's spill file is gone
+    e.check_invariants()
+
+
 def test_no_compact_rung_without_a_compact_region(tmp_path):
     """A model without a compact region: the adaptive ladder is spill then slide, no compaction counted."""
     e = torch_engine(6, spill_dir=tmp_path, compact_horizon=16)
