@@ -52,8 +52,9 @@ REPO = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve()
 DEFAULT_TEXT = REPO.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 RUNNER_CLI = REPO / "build" / "android-host" / "pagedkv-runner"
-# bumped when an exporter changes what a format stores (onnx v2: int4 blocks repacked on their GGUF grid)
-EXPORT_VERSIONS = {"onnx": "v2", "pte": "v1"}
+# bumped when an exporter changes what a format stores (onnx v2: int4 blocks repacked on their GGUF grid;
+# pte-8da4w-asym-e8h8 v2: block sums by reshape + a [1, 32] linear instead of [K/32, K] 0/1 matrices)
+EXPORT_VERSIONS = {"onnx": "v2", "pte": "v1", "pte-8da4w-asym-e8h8": "v2"}
 
 SYSTEMS: dict[str, dict] = {
     "runner-pte-8da4w": {"kind": "runner", "art": "pte-8da4w", "weights": "8da4w (int4 linears, fp32 embedding)"},
@@ -128,7 +129,7 @@ def worker(args) -> dict:
 def export_key(kind: str) -> str:
     """The artifact's cache dir name. Not a hash of the exporter's sources (they change under unrelated
     edits and a re-export takes 10-30 min): pass --reexport after changing what the graph is."""
-    return f"{kind}-{EXPORT_VERSIONS[kind.split('-')[0]]}"
+    return f"{kind}-{EXPORT_VERSIONS.get(kind) or EXPORT_VERSIONS[kind.split('-')[0]]}"
 
 
 def do_export(kind: str, out: Path, pool_tokens: int) -> dict:

@@ -34,6 +34,7 @@ runner's peak RSS at 8K is 287 MiB against 8da4w-e8's 213 (BENCHMARKS.md, Weight
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -101,14 +102,15 @@ class AsymInt4Linear(ChunkedLinear):
     """y = x W^T with W stored as asymmetric 4-bit blocks (scale s, zero point zp per `group` inputs),
     run on XNNPACK's symmetric int4 kernel (qb4w): s*(q - zp) = s*(q - 8) + s*(8 - zp), so
 
-        y = sum_c 8da4w(x_c; codes q - 8, scale s) + (x @ Ind^T) @ offsets^T,  offsets[n, b] = s*(8 - zp)
+        y = sum_c 8da4w(x_c; codes q - 8, scale s) + sums(x) @ offsets^T,  offsets[n, b] = s*(8 - zp)
 
     with one 8da4w linear per chunk x_c of inputs (ChunkedLinear: one int8 activation scale per chunk)
-    and the offsets once over all K inputs: Ind [K/group, K] is 0/1 (x @ Ind^T sums each block of x),
-    two linears per module (per chunk they were 2/3 of the graph's linear nodes), both small linears fp32 on
-    XNNPACK (1/group of the int4 work each; a reshape + sum instead would leave XNNPACK, whose reshapes
-    take no dynamic token count, and split its partitions). Left out when every offset is 0 (a
-    Q4_0-style grid). XNNPACK stores the scales as bf16: s is rounded to bf16 here so the eager module
+    and the offsets once over all K inputs: sums(x) [rows, K/group] are the block sums of x, computed as
+    x.reshape(-1, group) @ ones[1, group]^T then .reshape(-1, K/group) (a -1 reshape is XNNPACK's
+    static_reshape with the token count inferred, so all of it stays in the linears' XNNPACK partition),
+    then one fp32 linear with the offsets (1/group of the int4 work). The block sums were a [K/group, K]
+    fp32 0/1 matrix before, one per linear: 12 MiB of SmolLM2's .pte and XNNPACK packs a copy of each.
+    Left out when every offset is 0 (a Q4_0-style grid). XNNPACK stores the scales as bf16: s is rounded to bf16 here so the eager module
     computes what the program does, and the offsets keep the exact s (W's error is then at most
     |q-8| * |bf16(s) - s|). Blocks on a 16-level affine grid (a GGUF Q4_0 / Q4_1 / Q4_K model's
     dequantization) are stored exactly; other blocks are asymmetric round-to-nearest
@@ -141,18 +143,23 @@ class AsymInt4Linear(ChunkedLinear):
         super().__init__(pieces, bias)
         self.group, self.nb, self.exact_blocks = group, k // group, exact
         offsets = (s * (8 - torch.from_numpy(zp).reshape(n, self.nb))).float()
-        self.offsets = self.indicator = None
+        self.offsets = self.block_ones = None
         if offsets.any():
             self.offsets = torch.nn.Parameter(offsets.contiguous(), requires_grad=False)
-            ind = (torch.arange(k)[None, :] // group == torch.arange(self.nb)[:, None]).float()
-            self.indicator = torch.nn.Parameter(ind, requires_grad=False)
+            self.block_ones = torch.nn.Parameter(torch.ones(1, group), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the block offsets over all K inputs at once (fp32): two linears, not two per activation chunk
+        # the block offsets over all K inputs at once (fp32), not per activation chunk
         y = super().forward(x)
         if self.offsets is None:
             return y
-        return y + torch.nn.functional.linear(torch.nn.functional.linear(x, self.indicator), self.offsets)
+        sums = torch.nn.functional.linear(x.reshape(-1, self.group), self.block_ones).reshape(-1, self.nb)
+        off = torch.nn.functional.linear(sums, self.offsets)  # [rows, n]
+        # the exported program's x is [1, T, K] (or [T, K]): [T, n] broadcasts onto y without a reshape
+        # that names the token count (a symbolic reshape would leave XNNPACK); eager batches reshape
+        if x.dim() > 2 and math.prod(x.shape[:-2]) != 1:
+            off = off.reshape(y.shape)
+        return y + off
 
 
 class _SharedInput:

@@ -40,6 +40,11 @@ def test_grid_weights_are_stored_exactly():
     ref = x @ w.T
     err = (lin(x) - ref).abs().max() / ref.abs().max()
     assert err < 0.02, err
+    # the block sums (a reshape + a [1, 32] linear, no [K/32, K] matrix) for any leading shape
+    assert lin.block_ones.shape == (1, 32)
+    xb = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(lin(xb), torch.stack([lin(xi) for xi in xb]), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lin(xb[:1]), lin(xb[0])[None], rtol=1e-6, atol=1e-6)
 
 
 def test_symmetric_grid_needs_no_offsets_and_other_weights_round_to_nearest():
