@@ -529,6 +529,8 @@ BAD_COMPACT = {
     "compact-without-spec": (lambda b: reseal(b[:COMPACT_AT] + bytes(44) + b[COMPACT_AT + 44:]), "where none can be"),
     "compact-record-sizes": (lambda b: _edit(b, COMPACT_AT + 36, "<I", 57), "compact record sizes"),
     "compact-rotation": (lambda b: _edit(b, COMPACT_AT + 24, "<I", 0), "invalid compact spec"),
+    "compact-not-smaller": (lambda b: reseal(b[:COMPACT_AT] + struct.pack("<2I", 8, 5) + b[COMPACT_AT + 8:]),
+                            "invalid compact spec"),  # K8/V5: 110 record bytes, not fewer than K8/V4's 106
 }
 
 
