@@ -126,7 +126,8 @@ def make_backend(art_dir: Path, manifest: dict, backend: str, native: bool | Non
         groups = manifest_groups(manifest)
         sliding = [g.num_blocks for g in groups or [] if g.window]
         paged = compile(model, layout.spec, block_size=layout.block_size, num_blocks=layout.num_blocks,
-                        max_seqs=layout.max_seqs, sliding_blocks=max(sliding) if sliding else None)
+                        max_seqs=layout.max_seqs, sliding_blocks=max(sliding) if sliding else None,
+                        compact_blocks=layout.num_compact_blocks)
         return TorchBackend(paged)
     raise PagedKVError(f"unknown backend '{backend}': use one of {', '.join(BACKENDS)}.")
 
