@@ -35,12 +35,15 @@ MAX_SEQS = 4096
 
 @dataclass
 class PoolRequest:
-    """How big the pool should be: tokens or MiB (exactly one), and how many sequences share it."""
+    """How big the pool should be: tokens or MiB (exactly one), and how many sequences share it.
+    compact_blocks > 0 adds a compact region of that many blocks (the compact tier, issue 25: aged blocks
+    re-quantized to compact_spec_for(spec)); 0, the default, is the pool without one."""
 
     pool_tokens: int | None = None
     pool_mb: float | None = None
     max_seqs: int = 4
     block_size: int = 16
+    compact_blocks: int = 0
 
     def check(self) -> "PoolRequest":
         """Range checks that need no model (before the slow load)."""
@@ -53,13 +56,23 @@ class PoolRequest:
             raise SpecError(f"--pool-tokens {self.pool_tokens}: give 1 .. {MAX_POOL_TOKENS} tokens.")
         if not 1 <= self.max_seqs <= MAX_SEQS:
             raise SpecError(f"--max-seqs {self.max_seqs}: give 1 .. {MAX_SEQS} conversations.")
+        if not (isinstance(self.compact_blocks, int) and 0 <= self.compact_blocks <= MAX_POOL_TOKENS):
+            raise SpecError(f"--compact-blocks {self.compact_blocks}: give 0 (no compact region) .. {MAX_POOL_TOKENS} "
+                            "blocks.")
         check_block_size(self.block_size)
         return self
+
+    def compact_spec(self, spec: KVQuantSpec, head_dim: int) -> KVQuantSpec | None:
+        """The compact region's spec (None without one)."""
+        from toolkit.kv_spec import compact_spec_for
+
+        return compact_spec_for(spec, head_dim) if self.compact_blocks else None
 
     def num_blocks(self, spec: KVQuantSpec, num_layers: int, kv_heads: int, head_dim: int) -> int:
         self.check()
         if self.pool_mb is not None:  # the most blocks whose whole pool fits (toolkit.pool_layout.budget_blocks)
-            shape = PoolLayout(spec, num_layers, kv_heads, head_dim, self.block_size, 1, self.max_seqs)
+            shape = PoolLayout(spec, num_layers, kv_heads, head_dim, self.block_size, 1, self.max_seqs,
+                               compact=self.compact_spec(spec, head_dim), num_compact_blocks=self.compact_blocks)
             return budget_blocks(shape, self.pool_mb * 2**20,
                                  f"--pool-mb {self.pool_mb} (with {self.max_seqs} sequences)")
         tokens = self.pool_tokens if self.pool_tokens is not None else 2048
@@ -83,7 +96,8 @@ def make_layout(config, spec: KVQuantSpec, req: PoolRequest) -> PoolLayout:
 
     d = model_dims(config)
     nb = req.num_blocks(spec, d.num_layers, d.num_kv_heads, d.head_dim)
-    return PoolLayout(spec, d.num_layers, d.num_kv_heads, d.head_dim, req.block_size, nb, req.max_seqs)
+    return PoolLayout(spec, d.num_layers, d.num_kv_heads, d.head_dim, req.block_size, nb, req.max_seqs,
+                      compact=req.compact_spec(spec, d.head_dim), num_compact_blocks=req.compact_blocks)
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
@@ -306,7 +320,7 @@ def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, o
     for fmt in formats:  # onnx before pte: 8da4w quantizes the weights in place
         t0 = time.time()
         paged = compile(model, spec, block_size=layout.block_size, num_blocks=layout.num_blocks,
-                        max_seqs=layout.max_seqs,
+                        max_seqs=layout.max_seqs, compact_blocks=layout.num_compact_blocks,
                         sliding_blocks=sliding_pool_blocks(model.config, layout.block_size, layout.max_seqs))
         with console.status(f"exporting {fmt} ({dims.num_layers} layers, {spec.describe()})..."):
             if fmt == "onnx":

@@ -43,7 +43,7 @@ import torch
 from toolkit.compiler import PagedModel, group_table_names
 from export.artifacts import PTE_WEIGHTS
 from toolkit.errors import PagedKVError
-from toolkit.manifest import LOGITS_ROWS, PTE_POOL_METHOD, pool_identity
+from toolkit.manifest import LOGITS_ROWS, PTE_POOL_METHOD, compact_input_names, pool_identity
 
 POOL_BUFFER_PREFIXES = ("codes_", "scales_", "stage_")
 ASYM_WEIGHTS = "8da4w-asym-e8h8"  # one of export.artifacts.PTE_WEIGHTS
@@ -320,9 +320,49 @@ class PoolArenas:
         return self.suite(alignment, specs, graph_module, graph_signature, extra_padding)
 
 
+class CompactInputs(torch.nn.Module):
+    """The program of a model with a compact region (the compact tier, issue 25): forward(input_ids,
+    positions, seq_ids, block_tables, *more_tables, *compact, logits_rows) with the region's tensors
+    (compact_codes_i, compact_scales_i of each of paged.compact_layers()) as inputs, read by the mixed op.
+    As buffers they would become constants of the program (the op never writes them): zeros stored in
+    the file, in memory the runtime cannot write. As inputs that are not memory-planned
+    (MemoryPlanningPass(alloc_graph_input=False)) the runtime owns them: ExecuTorch reads the caller's
+    memory in place, and the runtime re-quantizes blocks into it between steps."""
+
+    def __init__(self, paged: PagedModel):
+        super().__init__()
+        self.paged = paged
+        self.layers = paged.compact_layers()
+
+    def forward(self, input_ids, positions, seq_ids, block_tables, *rest, logits_rows=None):
+        g = len(self.paged.groups) - 1
+        tables, flat = (block_tables, *rest[:g]), rest[g:]
+        compact = {i: tuple(flat[2 * j:2 * j + 2]) for j, i in enumerate(self.layers)}
+        logits, _ = self.paged.run(input_ids, positions, seq_ids, tables, self.paged.pool_tensors(), functional=False,
+                                   logits_rows=logits_rows, compact=compact)
+        return logits
+
+
+def _without_compact_buffers(paged: PagedModel):
+    """The compact buffers taken off `paged` (restored on exit): the program reads the region from its inputs."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx():
+        saved = {name: paged._buffers.pop(name) for name in list(paged._buffers) if name.startswith("compact_")}
+        try:
+            yield
+        finally:
+            paged._buffers.update(saved)
+
+    return ctx()
+
+
 def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_arena: int = 1,
                max_tokens: int = 128, progress=None) -> dict:
-    """Write the .pte; returns its manifest entry (without sha256)."""
+    """Write the .pte; returns its manifest entry (without sha256). A model with a compact region takes
+    it as inputs (CompactInputs, between the tables and logits_rows); without one the program is the one
+    exported before the compact tier."""
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
 
@@ -350,14 +390,22 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
     example = (torch.zeros(1, 2, dtype=torch.int64), torch.arange(2), torch.zeros(2, dtype=torch.int64), *tables)
     names = ["input_ids", "positions", "seq_ids", "block_tables"]
     dyn = dict(zip(names, ({1: t}, {0: t}, {0: t}, {1: m})))
-    if len(tables) > 1:  # *more_tables: one varargs entry (none at all for one table, as before groups)
-        dyn["more_tables"] = tuple({1: m} for _ in tables[1:])
+    compact_layers = paged.compact_layers()
+    compact = [x for i in compact_layers for x in paged.compact_pool_tensors()[i]]
+    if len(tables) > 1 or compact:  # *more_tables (+ *compact): one varargs entry (none at all for one table)
+        dyn["rest" if compact else "more_tables"] = tuple([{1: m} for _ in tables[1:]] + [None] * len(compact))
     # logits_rows: the rows of the call whose logits the program computes (the program's last input)
     dyn[LOGITS_ROWS] = {0: torch.export.Dim("R", min=1, max=max_tokens)}
     t0 = time.time()
     with torch.no_grad():
-        exported = torch.export.export(paged, example, kwargs={LOGITS_ROWS: torch.tensor([0, 1])},
-                                       dynamic_shapes=dyn, strict=False)
+        if compact:
+            with _without_compact_buffers(paged):
+                exported = torch.export.export(CompactInputs(paged), (*example, *compact),
+                                               kwargs={LOGITS_ROWS: torch.tensor([0, 1])}, dynamic_shapes=dyn,
+                                               strict=False)
+        else:
+            exported = torch.export.export(paged, example, kwargs={LOGITS_ROWS: torch.tensor([0, 1])},
+                                           dynamic_shapes=dyn, strict=False)
     if progress:
         progress(f"torch.export done in {time.time() - t0:.0f}s; lowering to XNNPACK")
     t0 = time.time()
@@ -368,8 +416,10 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
     if progress:
         progress(f"lowered in {time.time() - t0:.0f}s; planning memory")
     arenas = PoolArenas(layout.num_layers, layers_per_arena)
+    # a compact region's inputs are the runtime's memory (CompactInputs): graph inputs are not planned then
+    planning = MemoryPlanningPass(memory_planning_algo=arenas, **({"alloc_graph_input": False} if compact else {}))
     et = edge.to_executorch(
-        ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(memory_planning_algo=arenas),
+        ExecutorchBackendConfig(memory_planning_pass=planning,
                                 # dequantize + embedding -> embedding_byte (a no-op without quantized weights)
                                 do_quant_fusion_and_const_prop=weights in ("8da4w-e8", ASYM_WEIGHTS))
     )
@@ -379,7 +429,8 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
     return {
         "file": path.name,
         "weights": weights,
-        "inputs": ["input_ids", "positions", "seq_ids"] + group_table_names(paged.groups) + [LOGITS_ROWS],
+        "inputs": ["input_ids", "positions", "seq_ids"] + group_table_names(paged.groups)
+        + compact_input_names(compact_layers) + [LOGITS_ROWS],
         "outputs": ["logits"],
         "max_tokens_per_call": max_tokens,
         "max_blocks_per_seq": max_blocks,

@@ -10,6 +10,7 @@ The per-layer values (scale, window, softcap) reach the function through attribu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from onnx import helper
 
 from toolkit.compiler import FunctionalPagedModel, PagedModel
-from toolkit.manifest import LOGITS_ROWS
+from toolkit.manifest import LOGITS_ROWS, compact_input_names
 from toolkit.errors import SpecError
 from toolkit.manifest import ONNX_POOL_KEY, pool_identity
 from toolkit.paged_attention import SCALAR_ARG_NAMES, reference_paged_attention
@@ -156,20 +157,27 @@ def _translate_op(q, k, v, codes, scales, stage, positions, seq_ids, block_table
     )
 
 
-def io_names(num_layers: int, num_groups: int = 1) -> tuple[list[str], list[str]]:
+def io_names(num_layers: int, num_groups: int = 1, compact_layers=()) -> tuple[list[str], list[str]]:
     """Graph inputs: ids, positions, seq_ids, one block table per layer group (block_tables,
-    block_tables_1, ...; only the first for a model without sliding layers), the pools, then
-    logits_rows (the rows of the call whose logits the graph computes)."""
+    block_tables_1, ...; only the first for a model without sliding layers), the pools, the compact
+    region's tensors of compact_layers (none without a compact region), then logits_rows (the rows of
+    the call whose logits the graph computes). The compact region is an input only: the graph reads it."""
     from toolkit.compiler import group_table_names
 
     pools = [f"{kind}_{i}" for i in range(num_layers) for kind in ("codes", "scales", "stage")]
-    inputs = ["input_ids", "positions", "seq_ids"] + group_table_names(range(num_groups)) + pools + [LOGITS_ROWS]
+    inputs = (["input_ids", "positions", "seq_ids"] + group_table_names(range(num_groups)) + pools
+              + compact_input_names(compact_layers) + [LOGITS_ROWS])
     outputs = ["logits"] + [f"{p}_out" for p in pools]
     return inputs, outputs
 
 
 def export_onnx(paged: PagedModel, path: Path, progress=None) -> dict:
-    """Write the .onnx file; returns its manifest entry (without sha256)."""
+    """Write the .onnx file; returns its manifest entry (without sha256).
+
+    A model with a compact region (compile(compact_blocks=N)) takes the region as inputs (one NC block
+    dim, dynamic like NB) and its global layers are QuantizedPagedAttentionMixed nodes
+    (export/onnx_mixed.py), with that node's fallback function beside the default op's; without one the
+    graph is exactly the one exported before the compact tier."""
     register_schema()
     layout = paged.layout
     if layout.num_blocks < 2:
@@ -183,33 +191,39 @@ def export_onnx(paged: PagedModel, path: Path, progress=None) -> dict:
     pools = [x for trio in paged.pool_tensors() for x in trio]
     tables = [torch.zeros(layout.max_seqs, 2, dtype=torch.int64) for _ in groups]
     rows = torch.export.Dim("R", min=1)
+    compact_layers = paged.compact_layers()
+    compact, compact_dims = _compact_example(layout, compact_layers)
     example = (torch.zeros(1, 3, dtype=torch.int64), torch.arange(3), torch.zeros(3, dtype=torch.int64), *tables, *pools,
-               torch.tensor([0, 2]))
-    # the extra tables, *pools and logits_rows are one varargs entry
+               *compact, torch.tensor([0, 2]))
+    # the extra tables, *pools, *compact and logits_rows are one varargs entry
     pool_dims = [d for i in range(layout.num_layers) for d in _pool_dims(layout, nbs[paged.layer_group[i]])]
-    dyn = ({1: t}, {0: t}, {0: t}, {1: m}, tuple([{1: m}] * (len(groups) - 1) + pool_dims + [{0: rows}]))
-    inputs, outputs = io_names(layout.num_layers, len(groups))
+    dyn = ({1: t}, {0: t}, {0: t}, {1: m},
+           tuple([{1: m}] * (len(groups) - 1) + pool_dims + compact_dims + [{0: rows}]))
+    inputs, outputs = io_names(layout.num_layers, len(groups), compact_layers)
+    table = {torch.ops.pagedkv.quantized_paged_attention_functional.default: _translate_op}
+    if compact_layers:
+        from export.onnx_mixed import register_mixed_schema, translate_mixed_op
+
+        register_mixed_schema()
+        table[torch.ops.pagedkv.quantized_paged_attention_mixed_functional.default] = translate_mixed_op
     t0 = time.time()
     with torch.no_grad():
         # torch.export first (torch.onnx mangles the varargs structure of dynamic_shapes)
         exported = torch.export.export(fmodel, example, dynamic_shapes=dyn, strict=False)
         prog = torch.onnx.export(
             exported, dynamo=True, opset_version=OPSET, input_names=inputs, output_names=outputs,
-            custom_translation_table={
-                torch.ops.pagedkv.quantized_paged_attention_functional.default: _translate_op
-            }, optimize=True, verbose=False,
+            custom_translation_table=table, optimize=True, verbose=False,
         )
     model = prog.model_proto
     if progress:
         progress(f"graph exported in {time.time() - t0:.0f}s; building the standard-op fallback")
-    fn, extra = fallback_function(layout, paged.dims.num_heads)
-    have = {(f.domain, f.name) for f in model.functions}
-    for f in [fn] + extra:
-        if (f.domain, f.name) not in have:
-            model.functions.append(f)
-    for imp in fn.opset_import:
-        if imp.domain not in {o.domain for o in model.opset_import}:
-            model.opset_import.append(imp)
+    fns = [fallback_function(layout, paged.dims.num_heads)]
+    if compact_layers:
+        from export.onnx_mixed import mixed_fallback_function
+
+        fns.append(mixed_fallback_function(layout, paged.dims.num_heads))
+    for fn, extra in fns:
+        add_function(model, fn, extra)
     if DOMAIN not in {o.domain for o in model.opset_import}:
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     # what the graph bakes in about its pool, checked against the manifest when it is loaded
@@ -217,6 +231,29 @@ def export_onnx(paged: PagedModel, path: Path, progress=None) -> dict:
     path = Path(path)
     onnx.save_model(model, str(path))
     return {"file": path.name, "inputs": inputs, "outputs": outputs}
+
+
+def _compact_example(layout: PoolLayout, compact_layers) -> tuple[list, list]:
+    """Example compact tensors of each compact layer and their dynamic dims (one "NC" block dim; at
+    least 2 blocks in the example, since torch.export specializes a size of 1)."""
+    if not compact_layers:
+        return [], []
+    nc = torch.export.Dim("NC", min=2)
+    lay = dataclasses.replace(layout, num_compact_blocks=max(2, layout.num_compact_blocks))
+    tensors = [x for _ in compact_layers for x in lay.allocate_compact_layer()]
+    return tensors, [{0: nc}] * len(tensors)
+
+
+def add_function(model: onnx.ModelProto, fn: onnx.FunctionProto, extra: list) -> None:
+    """Add a fallback function (and the helper functions its body calls, once each) to the model."""
+    have = {(f.domain, f.name) for f in model.functions}
+    for f in [fn] + extra:
+        if (f.domain, f.name) not in have:
+            model.functions.append(f)
+            have.add((f.domain, f.name))
+    for imp in fn.opset_import:
+        if imp.domain not in {o.domain for o in model.opset_import}:
+            model.opset_import.append(imp)
 
 
 def fold_weight_transposes(model: onnx.ModelProto) -> int:

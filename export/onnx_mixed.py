@@ -4,8 +4,8 @@ op's (export/onnx_export.py): the op's plain-PyTorch reference exported to stand
 the compact spec baked in, scale / window / softcap through attribute references. Stock onnxruntime
 inlines the function; with the native kernel library registered ORT runs the kernel instead.
 
-The compiler does not emit this node yet (a model exported with a compact region): this module is the
-graph piece such an export uses.
+export_onnx emits one such node per global layer of a model compiled with a compact region
+(translate_mixed_op) and adds the fallback function beside the default op's.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import onnx
 import torch
 
-from export.onnx_export import FLOAT_ATTRS, OPSET, function_from_export, register_op_schema
+from export.onnx_export import DOMAIN, FLOAT_ATTRS, OPSET, function_from_export, register_op_schema
 from toolkit.paged_attention import COMPACT_SCALAR_ARG_NAMES, SCALAR_ARG_NAMES, reference_paged_attention
 from toolkit.pool_layout import PoolLayout
 
@@ -68,3 +68,17 @@ def mixed_fallback_function(layout: PoolLayout, num_heads: int) -> tuple[onnx.Fu
     prog = torch.onnx.export(_MixedReferenceForExport(layout), example, dynamo=True, dynamic_shapes=dyn,
                              opset_version=OPSET, verbose=False)
     return function_from_export(prog, MIXED_OP_TYPE, len(MIXED_TENSOR_INPUTS), MIXED_INT_ATTRS)
+
+
+def translate_mixed_op(q, k, v, codes, scales, stage, ccodes, cscales, positions, seq_ids, block_tables, sinks,
+                       *scalars):
+    """torch.onnx translation of pagedkv::quantized_paged_attention_mixed_functional: one
+    QuantizedPagedAttentionMixed node, the op's scalars (the default op's, then the compact spec's) as
+    attributes."""
+    from onnxscript.values import Opset
+
+    custom = Opset(DOMAIN, 1)
+    attrs = {name: float(value) if name in FLOAT_ATTRS else int(value)
+             for name, value in zip(SCALAR_ARG_NAMES + COMPACT_SCALAR_ARG_NAMES, scalars)}
+    return custom.QuantizedPagedAttentionMixed(q, k, v, codes, scales, stage, ccodes, cscales, positions, seq_ids,
+                                               block_tables, sinks, _outputs=4, **attrs)

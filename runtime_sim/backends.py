@@ -6,6 +6,13 @@
 
 Every backend exposes its pools as numpy views, `pool_arrays()` -> [(codes, scales, stage)] per layer;
 block and stage copies (fork / copy-on-write) are written once on top of them.
+
+A model with a compact region (the compact tier, issue 25; the manifest's pool.compact /
+num_compact_blocks) has, in each layer of its global group, two more tensors the graph reads
+(compact_codes_i, compact_scales_i): the torch backend holds them as the model's buffers, the
+onnxruntime and ExecuTorch backends allocate them from the manifest and pass them as inputs.
+`compact_block(src, dst)` re-quantizes default block src into compact block dst in every such layer
+(toolkit.quant.compact_block's numbers: runtime_sim/compact.py drives it between steps).
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from toolkit.errors import ArtifactError, KernelLibraryMissing, PagedKVError
-from toolkit.manifest import LOGITS_ROWS
+from toolkit.manifest import LOGITS_ROWS, compact_input_layers
+from toolkit.pool_layout import zeros_aligned
 
 if TYPE_CHECKING:  # torch (and transformers) only where a backend needs them: not for onnxruntime
     from toolkit.compiler import PagedModel
@@ -29,6 +37,19 @@ def copy_pool_block(backend, src: int, dst: int, layers=None) -> None:
         codes[dst] = codes[src]
         if scales.shape[0] > 1:
             scales[dst] = scales[src]
+
+
+def allocate_compact(layout, layers) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Zeroed compact regions (compact_codes, compact_scales) of the given layers, from the layout."""
+    return {i: (zeros_aligned(layout.compact_codes_shape(), "uint8"), zeros_aligned(layout.compact_scales_shape(),
+                                                                                    "float16"))
+            for i in layers}
+
+
+def check_compact_ids(layout, src: int, dst: int) -> None:
+    if not 0 <= src < layout.num_blocks or not 0 <= dst < layout.num_compact_blocks:
+        raise PagedKVError(f"compact_block({src}, {dst}): the source must be a default block (0..{layout.num_blocks - 1}) "
+                           f"and the destination a compact block index (0..{layout.num_compact_blocks - 1}).")
 
 
 def copy_pool_stage(backend, src_seq: int, dst_seq: int) -> None:
@@ -65,6 +86,10 @@ class TorchBackend:
 
     def pool_arrays(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         return [tuple(t.numpy() for t in layer) for layer in self.paged.pool_tensors()]
+
+    def compact_arrays(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """layer -> numpy views of (compact_codes, compact_scales) ({} without a compact region)."""
+        return {i: tuple(t.numpy() for t in pair) for i, pair in self.paged.compact_pool_tensors().items()}
 
     copy_block = copy_pool_block
     copy_stage = copy_pool_stage
@@ -128,6 +153,10 @@ class OrtBackend:
             self.kernel_threads = threads or None
         self.inputs, self.outputs = inputs, outputs
         self.has_rows = inputs[-1] == LOGITS_ROWS
+        self.compact_layers = compact_input_layers(inputs)  # [] without a compact region
+        if self.compact_layers and not layout.num_compact_blocks:
+            raise ArtifactError(f"{onnx_path} reads a compact region the manifest's pool does not describe: re-run "
+                                "`pagedkv export`.")
         self.set_groups(None)
 
     def set_groups(self, groups) -> None:
@@ -148,6 +177,13 @@ class OrtBackend:
         for name, out_name, value in zip(self.inputs[3 + n_tables:], self.outputs[1:], self.pools):
             self.binding.bind_ortvalue_input(name, value)
             self.binding.bind_ortvalue_output(out_name, value)
+        # the compact region: inputs only (the graph reads it; compact_block writes it between steps)
+        self.compact = allocate_compact(self.layout, self.compact_layers)
+        self.compact_values = []
+        for i, arrays in self.compact.items():
+            for kind, a in zip(("codes", "scales"), arrays):
+                self.compact_values.append(ort.OrtValue.ortvalue_from_numpy(a))
+                self.binding.bind_ortvalue_input(f"compact_{kind}_{i}", self.compact_values[-1])
 
     def forward(self, ids, positions, seq_ids, tables, rows=None) -> np.ndarray:
         """tables: one [S, M] array, or a list of one per layer group; rows as TorchBackend.forward. A
@@ -170,8 +206,24 @@ class OrtBackend:
     def pool_arrays(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         return [tuple(self.arrays[3 * i:3 * i + 3]) for i in range(self.layout.num_layers)]
 
+    def compact_arrays(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """layer -> (compact_codes, compact_scales), the arrays the graph reads ({} without a compact region)."""
+        return self.compact
+
     copy_block = copy_pool_block
     copy_stage = copy_pool_stage
+
+    def compact_block(self, src: int, dst: int) -> None:
+        """Re-quantize default block src into compact block dst (an index of the compact region) in every
+        layer that has one, in numpy (runtime_sim.requant: toolkit.quant.compact_block's bits, no torch)."""
+        from runtime_sim.requant import requantize_np
+
+        lay = self.layout
+        check_compact_ids(lay, src, dst)
+        pools = self.pool_arrays()
+        for i, (ccodes, cscales) in self.compact.items():
+            codes, scales, _ = pools[i]
+            ccodes[dst], cscales[dst] = requantize_np(codes[src], scales[src], lay.spec, lay.compact, lay.head_dim)
 
 
 def check_pte_pool(module, where: str, layout) -> None:
@@ -202,7 +254,7 @@ class ExecuTorchBackend:
     name = "executorch"
 
     def __init__(self, pte_path, layout, entry: dict, threads: int = 0, groups=None):
-        import torch  # noqa: F401  (portable_lib needs torch's libraries loaded)
+        import torch  # portable_lib needs torch's libraries loaded (and the compact inputs are torch views)
 
         from toolkit.native import load_executorch_kernels
 
@@ -225,6 +277,13 @@ class ExecuTorchBackend:
             raise ArtifactError(f"ExecuTorch cannot load {pte_path} ({str(e)[:200]}): re-run `pagedkv export`.") from None
         check_pte_pool(self.module, str(pte_path), layout)
         self._pools = None  # numpy views of the program's pool buffers, known after the first step
+        # the compact region: this backend's memory, read by the program in place (an input it does not plan)
+        layers = compact_input_layers(entry.get("inputs", []))
+        if layers and not layout.num_compact_blocks:
+            raise ArtifactError(f"{pte_path} reads a compact region the manifest's pool does not describe: re-run "
+                                "`pagedkv export`.")
+        self.compact = allocate_compact(layout, layers)
+        self._compact_inputs = [torch.from_numpy(a) for pair in self.compact.values() for a in pair]
 
     def forward(self, ids, positions, seq_ids, tables, rows=None) -> np.ndarray:
         """rows as TorchBackend.forward: a program with a logits_rows input computes only those rows;
@@ -238,7 +297,7 @@ class ExecuTorchBackend:
 
         tables = tables if isinstance(tables, list) else [tables]
         inputs = [torch.from_numpy(ids)[None], torch.from_numpy(positions), torch.from_numpy(seq_ids),
-                  *[torch.from_numpy(t) for t in tables]]
+                  *[torch.from_numpy(t) for t in tables], *self._compact_inputs]
         if self.has_rows:
             want = np.arange(len(ids), dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
             inputs.append(torch.from_numpy(np.ascontiguousarray(want)))
@@ -255,5 +314,25 @@ class ExecuTorchBackend:
             raise PagedKVError("the executorch backend's pool buffers are known after its first step; run one first.")
         return self._pools
 
+    def compact_arrays(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """layer -> (compact_codes, compact_scales), the arrays the program reads ({} without a compact region)."""
+        return self.compact
+
     copy_block = copy_pool_block
     copy_stage = copy_pool_stage
+
+    def compact_block(self, src: int, dst: int) -> None:
+        """Re-quantize default block src into compact block dst (an index of the compact region) in every
+        layer that has one (toolkit.quant.compact_block on the program's pool buffers and this backend's
+        compact arrays)."""
+        import torch
+
+        from toolkit.quant import compact_block
+
+        lay = self.layout
+        check_compact_ids(lay, src, dst)
+        pools = self.pool_arrays()
+        for i, (ccodes, cscales) in self.compact.items():
+            codes, scales, _ = pools[i]
+            compact_block(torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(ccodes),
+                          torch.from_numpy(cscales), src, dst, lay.spec, lay.compact, lay.head_dim)

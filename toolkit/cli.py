@@ -234,6 +234,9 @@ def export_cmd(
         "+65% PPL on SmolLM2); 8da4w-asym-e8h8 (asymmetric int4, exact on GGUF 4-bit grids; int8 head and embedding)."),
     max_tokens_per_call: int = typer.Option(64, help="Largest prefill chunk the .pte accepts."),
     force: bool = typer.Option(False, "--force", help="Replace an existing non-empty --out dir (whole, never merged)."),
+    compact_blocks: int = typer.Option(
+        0, "--compact-blocks", help="Blocks of a compact region (the compact tier: aged blocks re-quantized to fewer "
+        "bits by the runtime's adaptive policy); 0: none, the model as without it."),
 ):
     """Compile MODEL's attention to the paged op and export it (ONNX and/or ExecuTorch .pte).
     The export is written next to --out and moved there only when it is complete."""
@@ -245,7 +248,7 @@ def export_cmd(
     formats = ("onnx", "pte") if format == "all" else (format,)
     check_options(formats, onnx_weights, pte_weights, max_tokens_per_call)
     s = resolve_spec(spec).validate() if spec is not None else None  # None: the model type's default
-    req = PoolRequest(pool_tokens, pool_mb, max_seqs, block_size).check()
+    req = PoolRequest(pool_tokens, pool_mb, max_seqs, block_size, compact_blocks).check()
     check_out_dir(Path(out).expanduser().absolute(), force)
     man = export_artifacts(
         model, out, formats, s, req, onnx_weights=onnx_weights, pte_weights=pte_weights,

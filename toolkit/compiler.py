@@ -235,16 +235,22 @@ class PagedModel(nn.Module):
             for t in tensors:
                 t.zero_()
 
-    def run(self, input_ids, positions, seq_ids, tables, pools, functional: bool, logits_rows=None):
+    def compact_layers(self) -> list[int]:
+        """The layers with a compact region (the global group's; [] without one), in order."""
+        return [i for i in range(self.layout.num_layers) if self.layer_layout(i).num_compact_blocks]
+
+    def run(self, input_ids, positions, seq_ids, tables, pools, functional: bool, logits_rows=None, compact=None):
         """logits_rows: indices into this call's T tokens whose logits are computed (the head, Gemma's
-        262144 x 640 one a quarter of a prefill's time, runs on those rows only); None: every row."""
+        262144 x 640 one a quarter of a prefill's time, runs on those rows only); None: every row.
+        compact: layer -> (compact_codes, compact_scales) read instead of the buffers (the exported
+        forms take the compact region as inputs); None: this model's own compact buffers."""
         if len(tables) != len(self.groups):
             raise UnsupportedModelError(
                 f"{len(tables)} block table(s) given, the model has {len(self.groups)} layer group(s): pass one per group."
             )
         windows = tuple(g.window for g in self.groups)
         ctx = PagedContext(self.layout, pools, positions, seq_ids, list(tables), self.layer_group, windows, functional,
-                           compact_pools=self.compact_pool_tensors())
+                           compact_pools=self.compact_pool_tensors() if compact is None else compact)
         out = self.hf(
             input_ids=input_ids, position_ids=positions[None], use_cache=False, pagedkv=ctx, return_dict=True,
             logits_to_keep=0 if logits_rows is None else logits_rows,
@@ -260,24 +266,29 @@ class PagedModel(nn.Module):
 
 class FunctionalPagedModel(nn.Module):
     """Pools as explicit inputs and outputs (for ONNX): forward(ids, pos, seq, tables, *more_tables, *pools,
-    logits_rows) -> (logits [1, R, V], *pools); one table per layer group, logits for the R rows
-    logits_rows names (indices into the call's tokens: the last one of each sequence in a chat, all of
-    them for teacher-forced evaluation)."""
+    *compact_pools, logits_rows) -> (logits [1, R, V], *pools); one table per layer group, logits for the R
+    rows logits_rows names (indices into the call's tokens: the last one of each sequence in a chat, all
+    of them for teacher-forced evaluation).
+
+    With a compact region, compact_pools are (compact_codes_i, compact_scales_i) of each layer of
+    paged.compact_layers() (the global group's), inputs only: the mixed op reads them and never writes
+    them (the runtime re-quantizes blocks into them between steps). Without one there are none, and the
+    graph is the one exported before the compact tier existed."""
 
     def __init__(self, paged: PagedModel):
         super().__init__()
-        if paged.layout.num_compact_blocks:
-            raise UnsupportedModelError("the functional (ONNX) form of a model with a compact region is not built "
-                                        "yet (issue 25): compile without compact_blocks to export.")
         self.paged = paged
 
     def forward(self, input_ids, positions, seq_ids, block_tables, *rest):
         n = self.paged.layout.num_layers
         g = len(self.paged.groups) - 1
-        tables, pools, logits_rows = (block_tables, *rest[:g]), rest[g:g + 3 * n], rest[g + 3 * n]
+        tables, pools = (block_tables, *rest[:g]), rest[g:g + 3 * n]
+        layers = self.paged.compact_layers()
+        flat_compact, logits_rows = rest[g + 3 * n:-1], rest[-1]
+        compact = {i: tuple(flat_compact[2 * j:2 * j + 2]) for j, i in enumerate(layers)}
         grouped = [tuple(pools[3 * i : 3 * i + 3]) for i in range(n)]
         logits, ctx = self.paged.run(input_ids, positions, seq_ids, tables, grouped, functional=True,
-                                     logits_rows=logits_rows)
+                                     logits_rows=logits_rows, compact=compact)
         flat = [t for i in range(n) for t in ctx.new_pools[i]]
         return (logits, *flat)
 

@@ -5,7 +5,9 @@ between export, the runtimes, deploy and the Android runner.
   "format_version": 1,
   "model": {"name", "model_type", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
             "eos_token_ids", "weights_sha256" (optional: weights_sha256() of the weights exported)},
-  "pool": PoolLayout.to_dict() (spec, shapes, dtypes, bytes_per_token, largest_allocation_bytes, ...),
+  "pool": PoolLayout.to_dict() (spec, shapes, dtypes, bytes_per_token, largest_allocation_bytes, ...; with a
+           compact region also compact, num_compact_blocks, compact_codes_shape, compact_scales_shape: the
+           runtime allocates that region, and the graphs take it as inputs compact_codes_i/compact_scales_i),
   "artifacts": {"onnx": {"file", "sha256", "inputs", "outputs", ...}, "pte": {...}},
   "tokenizer_files": [...],
   "chat_template": the tokenizer's Jinja chat template (optional; the Android runner renders it),
@@ -51,6 +53,18 @@ ONNX_POOL_KEY = "pagedkv_pool"
 LOGITS_ROWS = "logits_rows"
 # The .pte's constant method returning the same JSON as uint8 codes.
 PTE_POOL_METHOD = "pagedkv_pool"
+
+
+def compact_input_names(compact_layers) -> list[str]:
+    """The graph inputs of a compact region (between the pools / tables and logits_rows): compact_codes_i,
+    compact_scales_i of each layer i that has one (the global layer group's)."""
+    return [f"compact_{kind}_{i}" for i in compact_layers for kind in ("codes", "scales")]
+
+
+def compact_input_layers(names) -> list[int]:
+    """The layers whose compact region a graph with these input names reads (compact_input_names' inverse)."""
+    return [int(n[len("compact_codes_"):]) for n in names if n.startswith("compact_codes_")]
+
 _MODEL_INTS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
 MAX_CHAT_TEMPLATE_BYTES = 1 << 20  # real templates are < 64 KiB; the runner holds it in memory
 MAX_STOP_TOKEN_IDS = 64
@@ -185,17 +199,25 @@ def _check_chat(m: dict, where: str) -> None:
 def _check_pool(p: dict, where: str) -> PoolLayout:
     for key in _POOL_INTS:
         _get(p, key, "int", where, "pool")
+    compact, num_compact = None, 0
+    if "compact" in p or "num_compact_blocks" in p:  # the compact region (issue 25): both or neither
+        num_compact = _get(p, "num_compact_blocks", "int", where, "pool")
+        compact_dict = _get(p, "compact", "dict", where, "pool")
     try:
         spec = spec_from_dict(_get(p, "spec", "dict", where, "pool"), None, "pool.spec")
-        layout = PoolLayout(spec=spec, **{k: p[k] for k in _POOL_INTS})
+        if num_compact:
+            compact = spec_from_dict(compact_dict, None, "pool.compact")
+        layout = PoolLayout(spec=spec, compact=compact, num_compact_blocks=num_compact,
+                            **{k: p[k] for k in _POOL_INTS})
     except PagedKVError as e:
         _fail(where, f"its pool does not describe a valid pool ({e})")
     if layout.total_bytes > 2**40:  # an edited size would otherwise fail deep inside numpy
         _fail(where, f"its pool is {layout.total_bytes / 2**30:.0f} GiB, not a real export")
     # the derived values the other readers (Android runner, deploy) take as written must agree
     want = layout.to_dict()
-    for key in ("codes_shape", "scales_shape", "stage_shape", "codes_dtype", "bytes_per_token"):
-        if key in p and p[key] != want[key]:
+    for key in ("codes_shape", "scales_shape", "stage_shape", "codes_dtype", "bytes_per_token", "compact_codes_shape",
+                "compact_scales_shape"):
+        if key in p and p[key] != want.get(key):
             _fail(where, f"pool.{key} is {json.dumps(p[key])[:60]} but the pool's spec and sizes give "
                          f"{json.dumps(want[key])}")
     return layout
@@ -411,8 +433,11 @@ def pool_identity(layout: PoolLayout) -> dict:
     """What a graph bakes in about its pool (everything but the block count, which runtimes size):
     stored in the ONNX graph's metadata at export, compared with the manifest at load."""
     d = layout.to_dict()
-    return {"spec": d["spec"], **{k: d[k] for k in ("num_layers", "num_kv_heads", "head_dim", "block_size",
-                                                      "max_seqs", "codes_dtype")}}
+    out = {"spec": d["spec"], **{k: d[k] for k in ("num_layers", "num_kv_heads", "head_dim", "block_size",
+                                                     "max_seqs", "codes_dtype")}}
+    if layout.num_compact_blocks:  # the compact spec the mixed nodes bake in (not the region's block count)
+        out["compact"] = d["compact"]
+    return out
 
 
 _ORT_DTYPES = {"tensor(uint8)": "uint8", "tensor(float16)": "float16", "tensor(float)": "float32",
@@ -454,6 +479,9 @@ def check_graph_pool(where: str, layout: PoolLayout, names: list[str], graph_inp
     check_identity(where, pool_identity(layout), graph_identity)
     shapes = {"codes": layout.codes_shape(), "scales": layout.scales_shape(), "stage": layout.stage_shape()}
     dtypes = {"codes": layout.codes_dtype_name, "scales": "float16", "stage": "float16"}
+    if layout.num_compact_blocks:  # compact_codes_i / compact_scales_i (the compact region, read-only inputs)
+        shapes.update(compact_codes=layout.compact_codes_shape(), compact_scales=layout.compact_scales_shape())
+        dtypes.update(compact_codes="uint8", compact_scales="float16")
     for name, shape, kind in graph_inputs:
         prefix, _, idx = name.rpartition("_")
         if prefix not in shapes or not idx.isdigit():
