@@ -203,3 +203,43 @@ def test_export_without_compact_region_is_unchanged(compact_artifacts, tmp_path_
     assert [node_key(n) for n in g0.node] == [node_key(n) for n in g1.node]
     assert {i.name: i.raw_data for i in g0.initializer} == {i.name: i.raw_data for i in g1.initializer}
     assert not any(n.op_type == "QuantizedPagedAttentionMixed" for n in g0.node)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: one clear line, nothing written
+
+
+def test_bad_compact_options_are_one_line(tmp_path):
+    from toolkit.errors import SpecError
+
+    proc = subprocess.run([sys.executable, "-m", "toolkit.cli", "export", "tiny-llama", "--out", str(tmp_path / "a"),
+                           "--compact-blocks", "-1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--compact-blocks -1" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    with pytest.raises(SpecError, match="quantized specs"):  # a float pool has no codes to re-quantize
+        export_artifacts("tiny-llama", tmp_path / "b", ("onnx",), "fp16", PoolRequest(pool_tokens=64, compact_blocks=2),
+                         model_and_tokenizer=(tiny_model("llama", num_layers=1), None))
+    assert not (tmp_path / "b").exists()
+
+
+def test_manifest_compact_region_is_checked():
+    """A pool section naming half a compact region, or compact shapes that disagree with its spec, is a
+    one-line ArtifactError."""
+    from toolkit.errors import ArtifactError
+    from toolkit.kv_spec import compact_spec_for
+    from toolkit.manifest import validate_manifest
+    from toolkit.pool_layout import PoolLayout
+    from toolkit.quant import PRESETS
+
+    spec = PRESETS["default"]
+    lay = PoolLayout(spec, 2, 2, 64, 16, 8, 2, compact=compact_spec_for(spec, 64), num_compact_blocks=3)
+    good = {"format_version": 1, "artifacts": {}, "pool": lay.to_dict()}
+    assert layout_from_manifest(validate_manifest(good)) == lay
+    for edit, needle in ((lambda p: p.pop("num_compact_blocks"), "num_compact_blocks"),
+                         (lambda p: p.pop("compact"), "'compact'"),
+                         (lambda p: p.update(compact_codes_shape=[3, 2, 16, 99]), "compact_codes_shape"),
+                         (lambda p: p["compact"].update(rotate=False), "rotate")):
+        bad = json.loads(json.dumps(good))
+        edit(bad["pool"])
+        with pytest.raises(ArtifactError, match=needle) as e:
+            validate_manifest(bad)
+        assert "\n" not in str(e.value)
