@@ -82,7 +82,8 @@ def run_engine(policy: str, blocks: int, chats: int, user: int, decode: int, max
                 "turns": turns, "pool_bytes": lay.total_bytes, "num_blocks": lay.num_blocks,
                 "num_compact_blocks": lay.num_compact_blocks,
                 "first_loss": next((k for k in ("evictions", "slides", "spill_reprefills") if s[k]), None),
-                "lost_within_max_turns": bool(lost()), "seconds": round(time.perf_counter() - t0, 2), **s}
+                "lost_within_max_turns": bool(lost()), "seconds": round(time.perf_counter() - t0, 2),
+                **{k: v for k, v in s.items() if k != "policy"}}
 
 
 def run_simulate(seeds: int, chats: list[int], pools_mb: list[float | None]) -> list[dict]:
@@ -120,7 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--user", type=int, default=24, help="prompt tokens per turn")
     ap.add_argument("--decode", type=int, default=8, help="generated tokens per turn")
     ap.add_argument("--max-turns", type=int, default=400)
-    ap.add_argument("--horizon", type=int, default=64, help="engine, adaptive+compact: recent tokens kept default")
+    ap.add_argument("--horizon", type=int, default=16, help="engine, adaptive+compact: recent tokens kept default "
+                    "(one block: this pool is tiny)")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES, help="engine policies to run")
     ap.add_argument("--seeds", type=int, default=3, help="simulate seeds (0 = skip the simulation)")
     ap.add_argument("--sim-chats", default="8,16", help="simulate: conversations alive at most (comma list)")
