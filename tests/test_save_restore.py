@@ -647,3 +647,33 @@ def test_cpp_rejects_bad_compact_files_in_one_line(cpp_tool, compacted_saved, tm
     assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1, out
     want = {"compact-spec-mismatch": "compact tier", "compact-in-version-1": "impossible layer group"}.get(case, expect)
     assert want in out.stderr, out.stderr
+
+
+@pytest.fixture(scope="module")
+def exported_compact(tmp_path_factory):
+    """The tiny llama exported to ONNX and .pte with a compact region of 4 blocks (a 256-token pool)."""
+    from export.artifacts import PoolRequest, export_artifacts
+
+    out = tmp_path_factory.mktemp("exported-compact") / "tiny"
+    export_artifacts("tiny-llama", out, ("onnx", "pte"), "default", PoolRequest(pool_tokens=256, max_seqs=2,
+                                                                                compact_blocks=4),
+                     max_tokens_per_call=32, model_and_tokenizer=(tiny_model("llama"), None))
+    return out
+
+
+@pytest.mark.parametrize("backend,native", [("onnxruntime", True), ("onnxruntime", False), ("executorch", None)],
+                         ids=["ort-native", "ort-fallback", "executorch"])
+def test_compacted_round_trip_exported_logits_bit_for_bit(exported_compact, tmp_path, backend, native):
+    from runtime_sim.session import open_artifacts
+
+    a = open_artifacts(exported_compact, backend, native=native, prefill_chunk=16)
+    ca = a.new_conversation()
+    list(a.generate(ca, LONG, 3))
+    assert [i for i, _, _ in compact_aged(a, ca, 16)] == [1, 2, 3]
+    a.save(ca, tmp_path / "c.pkvc")
+    assert cf.read(tmp_path / "c.pkvc").n_compact == 3
+    b = open_artifacts(exported_compact, backend, native=native, prefill_chunk=16)  # never ran a step
+    cb = b.restore(tmp_path / "c.pkvc")
+    assert b.counters.prefill_tokens == 0 and kinds(b, cb) == kinds(a, ca) == [1, 2, 2, 2, 1, 1]
+    b.check_invariants()
+    continue_both(a, ca, b, cb)
