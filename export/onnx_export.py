@@ -217,7 +217,9 @@ def export_onnx(paged: PagedModel, path: Path, progress=None) -> dict:
     model = prog.model_proto
     if progress:
         progress(f"graph exported in {time.time() - t0:.0f}s; building the standard-op fallback")
-    fns = [fallback_function(layout, paged.dims.num_heads)]
+    # each op's fallback function where the graph has its nodes (the default op's: every layer but the
+    # compact ones)
+    fns = [fallback_function(layout, paged.dims.num_heads)] if len(compact_layers) < layout.num_layers else []
     if compact_layers:
         from export.onnx_mixed import mixed_fallback_function
 

@@ -82,7 +82,9 @@ def test_manifest_records_the_compact_region(compact_artifacts):
     ops = [n.op_type for n in model.graph.node if n.domain == "pagedkv"]
     assert ops.count("QuantizedPagedAttentionMixed") == len(global_layers)
     assert ops.count("QuantizedPagedAttention") == lay.num_layers - len(global_layers)
-    assert {f.name for f in model.functions if f.domain == "pagedkv"} >= {"QuantizedPagedAttentionMixed"}
+    # each op's fallback function is there when the graph has its nodes (stock onnxruntime runs them)
+    assert {f.name for f in model.functions if f.domain == "pagedkv"} == {
+        op for op in ("QuantizedPagedAttention", "QuantizedPagedAttentionMixed") if op in ops}
     meta = {p.key: p.value for p in model.metadata_props}
     assert json.loads(meta["pagedkv_pool"]) == pool_identity(lay) and "compact" in pool_identity(lay)
 
