@@ -30,7 +30,8 @@ def compact_aged(engine, cid: int, horizon: int) -> list[tuple[int, int, int]]:
                            "compact tier.")
     if not hasattr(engine.backend, "compact_block"):
         raise PagedKVError(f"the {getattr(engine.backend, 'name', '?')} backend cannot re-quantize blocks yet: "
-                           "use the torch backend for the compact tier.")
+                           "open the model through runtime_sim.session (its torch, onnxruntime and ExecuTorch "
+                           "backends can).")
     conv = engine._conv(cid)
     if conv.spill is not None:
         raise PagedKVError(f"conversation {cid} lies in a spill file: restore it (its next turn) before compacting.")

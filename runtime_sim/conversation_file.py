@@ -422,13 +422,8 @@ def pool_arrays(engine) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
 
 def compact_arrays(engine) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """layer -> (compact_codes, compact_scales) numpy views of the compact region ({} without one): the
-    backend's compact_arrays(), else the torch model's compact buffers (compile(..., compact_blocks=N))."""
-    if hasattr(engine.backend, "compact_arrays"):
-        return engine.backend.compact_arrays()
-    paged = getattr(engine.backend, "paged", None)
-    if paged is None or not hasattr(paged, "compact_pool_tensors"):
-        return {}
-    return {i: (c.numpy(), s.numpy()) for i, (c, s) in paged.compact_pool_tensors().items()}
+    backend's compact_arrays() (torch, onnxruntime and ExecuTorch backends all have it)."""
+    return engine.backend.compact_arrays() if hasattr(engine.backend, "compact_arrays") else {}
 
 
 def capture(engine, cid: int) -> ConversationData:
