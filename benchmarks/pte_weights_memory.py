@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     print("| weights | layers | .pte MiB | peak RSS MiB | mapped .pte | KV | arena | libs | rest (heap) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['weights']} | {r['layers']} | {r['pte_bytes'] / MiB:.1f} | {r['peak_rss_bytes'] / MiB:.1f} | "
+        print(f"| {_label(r)} | {r['layers']} | {r['pte_bytes'] / MiB:.1f} | {r['peak_rss_bytes'] / MiB:.1f} | "
               f"{r['weights_file_resident_bytes'] / MiB:.1f} | {r['kv_pool_resident_bytes'] / MiB:.1f} | "
               f"{r['activations_resident_bytes'] / MiB:.1f} | {r['libraries_resident_bytes'] / MiB:.1f} | "
               f"{r['rest_bytes'] / MiB:.1f} |")
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
         print("|---|---:|" + "---:|" * (len(names) + 1))
         for r in rows:
             h = r["heap_by_site"]
-            print(f"| {r['weights']} | {r['layers']} | " + " | ".join(f"{h[n] / MiB:.1f}" for n in names)
+            print(f"| {_label(r)} | {r['layers']} | " + " | ".join(f"{h[n] / MiB:.1f}" for n in names)
                   + f" | {sum(h.values()) / MiB:.1f} |")
     per = {}
     for w in args.weights:
@@ -178,6 +178,11 @@ def main(argv=None) -> int:
     args.json.write_text(json.dumps({"cpu": _cpu(), "ctx": args.ctx, "decode": args.decode, "rows": rows,
                                      "per_layer": per}, indent=1))
     return 0
+
+
+def _label(row: dict) -> str:
+    """The weight format, and the export's directory name for --artifacts rows (which export it was)."""
+    return row["weights"] + (f" ({Path(row['artifacts']).name})" if row.get("artifacts") else "")
 
 
 def _manifest_weights_layers(art: Path) -> tuple[str, int]:
