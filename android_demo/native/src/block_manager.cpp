@@ -9,8 +9,9 @@ namespace pagedkv_rt {
 
 static int cdiv(int a, int b) { return (a + b - 1) / b; }
 
-BlockManager::BlockManager(int num_blocks, int block_size, int max_seqs, int limit)
-    : num_blocks_(num_blocks), block_size_(block_size), max_seqs_(max_seqs), limit_(limit) {
+BlockManager::BlockManager(int num_blocks, int block_size, int max_seqs, int limit, int num_compact_blocks)
+    : num_blocks_(num_blocks), block_size_(block_size), max_seqs_(max_seqs), limit_(limit),
+      num_compact_(num_compact_blocks) {
   if (block_size != 16 && block_size != 32)
     throw RunnerError(ErrorCode::kArgument, "block size " + std::to_string(block_size) + " is invalid: use 16 or 32");
   if (num_blocks < 1 || max_seqs < 1)
@@ -18,8 +19,12 @@ BlockManager::BlockManager(int num_blocks, int block_size, int max_seqs, int lim
   if (limit < 1 || limit > num_blocks)
     throw RunnerError(ErrorCode::kArgument, "usable block count " + std::to_string(limit) + " must be in 1.." +
                                                 std::to_string(num_blocks));
-  refcount_.assign(static_cast<size_t>(num_blocks), 0);
+  if (num_compact_blocks < 0 || num_compact_blocks > (1 << 24))
+    throw RunnerError(ErrorCode::kArgument, "compact block count " + std::to_string(num_compact_blocks) +
+                                                " must be in 0.." + std::to_string(1 << 24));
+  refcount_.assign(static_cast<size_t>(num_blocks) + static_cast<size_t>(num_compact_blocks), 0);
   for (int b = 0; b < limit; ++b) free_.insert(b);
+  for (int b = num_blocks; b < num_blocks + num_compact_blocks; ++b) compact_free_.insert(b);
   seqs_.resize(static_cast<size_t>(max_seqs));
   for (int s = max_seqs - 1; s >= 0; --s) free_slots_.push_back(s);
 }
@@ -54,7 +59,9 @@ int BlockManager::new_sequence() {
 
 void BlockManager::decref(int block) {
   int& r = refcount_[static_cast<size_t>(block)];
-  if (--r == 0) {
+  if (--r == 0 && block >= num_blocks_) {
+    compact_free_.insert(block);
+  } else if (r == 0) {
     --used_;
     if (block < limit_) free_.insert(block);
   }
@@ -124,6 +131,33 @@ void BlockManager::drop_blocks(int seq, const std::vector<int>& logical) {
   }
 }
 
+std::pair<int, int> BlockManager::compact(int seq, int index) {
+  Seq& s = get(seq, "compact a block of");
+  const int n_full = s.length / block_size_;
+  if (index < 0 || index >= n_full)
+    throw RunnerError(ErrorCode::kState, "cannot compact logical block " + std::to_string(index) + " of sequence " +
+                                             std::to_string(seq) + ": only full committed blocks 0.." +
+                                             std::to_string(n_full - 1) + " can be");
+  const int block = s.blocks[static_cast<size_t>(index)];
+  if (block < 0 || block >= num_blocks_)
+    throw RunnerError(ErrorCode::kState, "logical block " + std::to_string(index) + " of sequence " +
+                                             std::to_string(seq) + " is " + (block < 0 ? "dropped" : "compact") +
+                                             " already");
+  if (refcount_[static_cast<size_t>(block)] > 1)  // no fork here (difference 2), kept as Python's rule
+    throw RunnerError(ErrorCode::kState, "logical block " + std::to_string(index) + " of sequence " +
+                                             std::to_string(seq) + " is shared: shared blocks stay in the default region");
+  if (compact_free_.empty())
+    throw RunnerError(ErrorCode::kPoolExhausted, "compacting block " + std::to_string(index) + " of sequence " +
+                                                     std::to_string(seq) + ": the compact region's " +
+                                                     std::to_string(num_compact_) + " blocks are all in use");
+  const int dst = *compact_free_.begin();
+  compact_free_.erase(compact_free_.begin());
+  refcount_[static_cast<size_t>(dst)] = 1;
+  s.blocks[static_cast<size_t>(index)] = dst;
+  decref(block);
+  return {block, dst};
+}
+
 int BlockManager::held(int seq) const {
   const Seq& s = get(seq, "use");
   return static_cast<int>(std::count_if(s.blocks.begin(), s.blocks.end(), [](int32_t b) { return b >= 0; }));
@@ -158,7 +192,8 @@ int BlockManager::grow(int target) {
 
 void BlockManager::check_invariants() const {
   auto fail = [](const std::string& m) { throw RunnerError(ErrorCode::kState, "block pool invariant broken: " + m); };
-  std::vector<int> refs(static_cast<size_t>(num_blocks_), 0);
+  const int total = num_blocks_ + num_compact_;
+  std::vector<int> refs(static_cast<size_t>(total), 0);
   int live = 0;
   for (int q = 0; q < max_seqs_; ++q) {
     const Seq& s = seqs_[static_cast<size_t>(q)];
@@ -173,7 +208,10 @@ void BlockManager::check_invariants() const {
           fail("sequence " + std::to_string(q) + " has a hole at logical block " + std::to_string(i) + ", which is not full");
         continue;
       }
-      if (b >= num_blocks_) fail("block id out of range");
+      if (b >= total) fail("block id out of range");
+      if (b >= num_blocks_ && static_cast<int>(i) >= s.length / block_size_)
+        fail("sequence " + std::to_string(q) + " has a compact block at logical block " + std::to_string(i) +
+             ", which is not full");
       ++refs[static_cast<size_t>(b)];
     }
   }
@@ -186,6 +224,14 @@ void BlockManager::check_invariants() const {
     if (in_free != (r == 0 && b < limit_)) fail("block " + std::to_string(b) + " free-list membership wrong");
   }
   if (used != used_) fail("used count mismatch");
+  for (int b = num_blocks_; b < total; ++b) {  // the compact region
+    const int r = refcount_[static_cast<size_t>(b)];
+    if (r != refs[static_cast<size_t>(b)]) fail("compact block " + std::to_string(b) + " refcount mismatch");
+    if ((compact_free_.count(b) > 0) != (r == 0)) fail("compact block " + std::to_string(b) + " free-list membership wrong");
+  }
+  if (static_cast<int>(compact_free_.size()) > num_compact_ ||
+      (!compact_free_.empty() && (*compact_free_.begin() < num_blocks_ || *compact_free_.rbegin() >= total)))
+    fail("compact free list holds an id outside the compact region");
   if (live + static_cast<int>(free_slots_.size()) != max_seqs_) fail("sequence slots inconsistent");
 }
 
@@ -202,16 +248,22 @@ int window_blocks_needed(int window, int block_size, int new_tokens) {
 }
 
 static std::vector<BlockManager> make_pools(const std::vector<LayerGroup>& groups, int block_size, int max_seqs,
-                                            int limit) {
+                                            int limit, int num_compact) {
   if (groups.empty()) throw RunnerError(ErrorCode::kArgument, "a pool needs at least one layer group");
+  if (num_compact && groups[0].window)
+    throw RunnerError(ErrorCode::kArgument, "a compact region belongs to the global layer group: this model has none");
   std::vector<BlockManager> out;
   for (size_t g = 0; g < groups.size(); ++g)
-    out.emplace_back(groups[g].num_blocks, block_size, max_seqs, g == 0 ? limit : groups[g].num_blocks);
+    out.emplace_back(groups[g].num_blocks, block_size, max_seqs, g == 0 ? limit : groups[g].num_blocks,
+                     g == 0 ? num_compact : 0);
   return out;
 }
 
-GroupedBlockManager::GroupedBlockManager(std::vector<LayerGroup> groups, int block_size, int max_seqs, int limit)
-    : groups_(std::move(groups)), pools_(make_pools(groups_, block_size, max_seqs, limit)), block_size_(block_size) {}
+GroupedBlockManager::GroupedBlockManager(std::vector<LayerGroup> groups, int block_size, int max_seqs, int limit,
+                                         int num_compact_blocks)
+    : groups_(std::move(groups)),
+      pools_(make_pools(groups_, block_size, max_seqs, limit, num_compact_blocks)),
+      block_size_(block_size) {}
 
 int GroupedBlockManager::new_sequence() {
   const int seq = pools_[0].new_sequence();  // throws with nothing changed when the slots are full

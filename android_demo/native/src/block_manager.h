@@ -14,18 +14,23 @@
 //      asks the app to trim), grow raises it again up to the exported number of blocks. In a
 //      GroupedBlockManager only group 0 (the global group, when the model has global layers) has a
 //      limit below its block count; every other group always has all its blocks usable.
+// The compact region (the compact tier, issue 25; BlockPool(num_compact_blocks=N)): ids num_blocks ..
+// num_blocks + N - 1 name blocks of the pool's compact region; they are never handed out for growth,
+// compact(seq, i) moves a full block there (lowest free compact id first, by difference 1), and the
+// usable limit does not apply to them. num_used / num_free count the default region only, as in Python.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <set>
+#include <utility>
 #include <vector>
 
 namespace pagedkv_rt {
 
 class BlockManager {
  public:
-  BlockManager(int num_blocks, int block_size, int max_seqs, int limit);
+  BlockManager(int num_blocks, int block_size, int max_seqs, int limit, int num_compact_blocks = 0);
 
   int num_blocks() const { return num_blocks_; }
   int block_size() const { return block_size_; }
@@ -34,6 +39,9 @@ class BlockManager {
   int num_used() const { return used_; }
   int num_free() const { return static_cast<int>(free_.size()); }  // allocatable (below the limit)
   int highest_used() const;                                          // -1 if none
+  int num_compact_blocks() const { return num_compact_; }
+  int num_free_compact() const { return static_cast<int>(compact_free_.size()); }
+  bool is_compact(int block) const { return block >= num_blocks_; }  // a table id of the compact region
 
   int new_sequence();                  // throws RunnerError(kState) if all slots are in use
   void release(int seq);               // drops the sequence's blocks and frees its slot
@@ -43,6 +51,12 @@ class BlockManager {
   // Punch holes (-1) at these logical blocks (a sliding group's blocks that left the window); positions
   // stay put. Only full, committed, not yet dropped blocks; atomic: throws RunnerError(kState), nothing changed.
   void drop_blocks(int seq, const std::vector<int>& logical);
+  // Move logical block `index` of seq to a free compact block (BlockPool.compact): the table names the
+  // compact id, the default block is freed (its records stay until it is reused: the runtime
+  // re-quantizes them into the compact block before the next call). Returns {default id, compact id}.
+  // Only a full committed block of the default region; atomic: throws RunnerError(kState) for another
+  // block, RunnerError(kPoolExhausted) when the compact region is full, nothing changed.
+  std::pair<int, int> compact(int seq, int index);
   int held(int seq) const;  // blocks of seq that are not holes
   int length(int seq) const;
   const std::vector<int32_t>& blocks(int seq) const;
@@ -61,10 +75,11 @@ class BlockManager {
     std::vector<int32_t> blocks;
     int length = 0, reserved = 0;
   };
-  int num_blocks_, block_size_, max_seqs_, limit_;
-  int used_ = 0;
-  std::vector<int> refcount_;
+  int num_blocks_, block_size_, max_seqs_, limit_, num_compact_;
+  int used_ = 0;               // default blocks in use
+  std::vector<int> refcount_;  // default ids, then compact ids
   std::set<int> free_;  // free ids below limit_
+  std::set<int> compact_free_;  // free compact ids (num_blocks_ ..)
   std::vector<Seq> seqs_;
   std::vector<int> free_slots_;  // stack, slot 0 popped first
 
@@ -93,7 +108,9 @@ int window_blocks_needed(int window, int block_size, int new_tokens);
 // a BlockManager (same ids, same tables). `limit` is group 0's usable block count (the budget).
 class GroupedBlockManager {
  public:
-  GroupedBlockManager(std::vector<LayerGroup> groups, int block_size, int max_seqs, int limit);
+  // num_compact_blocks: the compact region of group 0, which must then be a global group
+  GroupedBlockManager(std::vector<LayerGroup> groups, int block_size, int max_seqs, int limit,
+                      int num_compact_blocks = 0);
 
   size_t size() const { return groups_.size(); }
   const LayerGroup& group(size_t g) const { return groups_[g]; }

@@ -28,8 +28,10 @@ static ErrorCode code_of(const std::function<void()>& f) {
 // (one per line: "new", "reserve S N", "commit S N", "release S") and prints what the manager did,
 // one line per operation, in the words tests/test_twins.py's Python twin uses. Block ids are left
 // out: the two managers hand out blocks in a different order by design (see block_manager.h).
-static int replay(const char* path, int num_blocks, int block_size, int max_seqs) {
-  BlockManager p(num_blocks, block_size, max_seqs, num_blocks);
+// With NUM_COMPACT (a 6th argument) the pool has a compact region: "compact S I" moves logical block I
+// of S there ("compacted"), and each line ends with the free compact blocks (" cfree N").
+static int replay(const char* path, int num_blocks, int block_size, int max_seqs, int num_compact = 0) {
+  BlockManager p(num_blocks, block_size, max_seqs, num_blocks, num_compact);
   std::ifstream in(path);
   std::string line;
   while (std::getline(in, line)) {
@@ -50,6 +52,9 @@ static int replay(const char* path, int num_blocks, int block_size, int max_seqs
       } else if (op == "release") {
         p.release(seq);
         out = "released";
+      } else if (op == "compact" && num_compact) {
+        p.compact(seq, n);
+        out = "compacted";
       } else {
         std::cerr << "bad trace line: " << line << "\n";
         return 2;
@@ -58,7 +63,9 @@ static int replay(const char* path, int num_blocks, int block_size, int max_seqs
       out = e.code() == ErrorCode::kPoolExhausted ? "exhausted" : "state error";
     }
     p.check_invariants();
-    std::cout << out << " used " << p.num_used() << " free " << p.num_free() << "\n";
+    std::cout << out << " used " << p.num_used() << " free " << p.num_free();
+    if (num_compact) std::cout << " cfree " << p.num_free_compact();
+    std::cout << "\n";
   }
   return 0;
 }
@@ -109,8 +116,8 @@ static int replay_groups(const char* path, int block_size, int max_seqs, const s
 }
 
 int main(int argc, char** argv) {
-  if (argc == 6 && std::string(argv[1]) == "--trace")
-    return replay(argv[2], std::atoi(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]));
+  if ((argc == 6 || argc == 7) && std::string(argv[1]) == "--trace")
+    return replay(argv[2], std::atoi(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]), argc == 7 ? std::atoi(argv[6]) : 0);
   if (argc >= 6 && std::string(argv[1]) == "--group-trace") {
     std::vector<LayerGroup> groups;
     for (int i = 5; i < argc; ++i) {
@@ -239,6 +246,43 @@ int main(int argc, char** argv) {
     CHECK(g.pool(0).blocks(a) == p.blocks(b));
     CHECK_EQ(g.main().num_free(), p.num_free());
     CHECK(code_of([&] { g.reserve(a, 40); }) == ErrorCode::kPoolExhausted);
+  });
+  s.run("compact_region", [] {  // BlockPool.compact's rules (tests/test_compact_tier.py)
+    BlockManager p(6, 16, 2, 6, 2);
+    const int a = p.new_sequence();
+    p.reserve(a, 40);  // 3 blocks, 2 full after the commit
+    p.commit(a, 40);
+    CHECK(code_of([&] { p.compact(a, 2); }) == ErrorCode::kState);   // not full
+    CHECK(code_of([&] { p.compact(a, -1); }) == ErrorCode::kState);
+    const auto moved = p.compact(a, 0);
+    CHECK_EQ(moved.first, 0);
+    CHECK_EQ(moved.second, 6);  // the lowest compact id
+    CHECK_EQ(p.blocks(a)[0], 6);
+    CHECK(p.is_compact(p.blocks(a)[0]));
+    CHECK_EQ(p.num_used(), 2);  // the default block went back to the free list
+    CHECK_EQ(p.num_free(), 4);
+    CHECK_EQ(p.num_free_compact(), 1);
+    CHECK(code_of([&] { p.compact(a, 0); }) == ErrorCode::kState);  // compact already
+    p.check_invariants();
+    p.compact(a, 1);
+    CHECK_EQ(p.num_free_compact(), 0);
+    const int b = p.new_sequence();
+    p.reserve(b, 16);
+    p.commit(b, 16);
+    CHECK(code_of([&] { p.compact(b, 0); }) == ErrorCode::kPoolExhausted);  // region full, nothing changed
+    CHECK_EQ(p.blocks(b)[0], 0);
+    p.drop_blocks(a, {0});  // a compact block can be dropped like any other: it returns to its free list
+    CHECK_EQ(p.num_free_compact(), 1);
+    p.check_invariants();
+    p.release(a);
+    CHECK_EQ(p.num_free_compact(), 2);
+    CHECK_EQ(p.num_used(), 1);
+    CHECK_EQ(p.shrink(1), 1);  // the limit is the default region's only
+    p.check_invariants();
+    CHECK(code_of([] { GroupedBlockManager({LayerGroup{16, {0}, 4}}, 16, 1, 4, 2); }) == ErrorCode::kArgument);
+    GroupedBlockManager g({LayerGroup{0, {0}, 4}, LayerGroup{16, {1}, 3}}, 16, 1, 4, 2);
+    CHECK_EQ(g.pool(0).num_compact_blocks(), 2);
+    CHECK_EQ(g.pool(1).num_compact_blocks(), 0);
   });
   s.run("bad_arguments", [] {
     CHECK(code_of([] { BlockManager(8, 24, 1, 8); }) == ErrorCode::kArgument);
