@@ -121,6 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--core", action="store_true",
                     help="time the core alone (each build's pagedkv_core_bench, the median of its repeats) on "
                          "the same cells instead of kernels.py's onnxruntime host")
+    ap.add_argument("--new-first", action="store_true",
+                    help="each round runs the new build before the old one (a check of order effects)")
     ap.add_argument("--add", action="store_true", help="append to --out's runs instead of starting anew")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "kernels_before_after.json")
     args = ap.parse_args(argv)
@@ -140,7 +142,8 @@ def main(argv=None) -> int:
     doc = doc or dict(cpu=cpu_model(), old_commit=args.old_commit, new_commit=args.new_commit, runs=[])
     for i in range(args.runs):
         for isa in args.isas:
-            for side, build in (("old", args.old), ("new", args.new)):
+            sides = (("old", args.old), ("new", args.new))
+            for side, build in (sides[::-1] if args.new_first else sides):
                 run = dict(side=side, isa=isa, kernels_args=kargs,
                            **(one_core_run if args.core else one_run)(build, isa, kargs))
                 doc["runs"].append(run)
