@@ -9,12 +9,14 @@ of the shared machine's load touches both sides alike. The load average (os.getl
 recorded before and after every run. Per cell (isa, dims, ctx, threads, impl) the result is the median
 over the runs of each side of kernels.py's per-run ms (itself a median of its interleaved rounds), and
 new / old of those medians; also new / old of each side's fastest run (a disturbance only adds time, so
-on a loaded machine the fastest run is the closer estimate of the undisturbed step). --runs 0 --add
+on a loaded machine the fastest run is the closer estimate of the undisturbed step), and the median of the
+per-round ratios (each round's new run over its old run). --runs 0 --add
 recomputes the summary of --out. --add appends the runs to an existing --out (e.g. reruns of one noisy cell
 with narrower kernels.py arguments) and recomputes every cell over all its runs.
 
 --core times the core alone instead (pagedkv_core_bench of each build, via kernels.core_bench; PAGEDKV_ISA
-is its path argument): no onnxruntime host, steadier on a loaded machine; write it to another --out.
+is its path argument): no onnxruntime host, the two builds back to back per cell, the order flipped every
+round; write it to another --out.
 
 Writes benchmarks/results/kernels_before_after.json and prints a markdown table.
 """
@@ -52,8 +54,10 @@ def one_run(build: str, isa: str, kargs: list[str]) -> dict:
                       for r in rows])
 
 
-def one_core_run(build: str, isa: str, kargs: list[str]) -> dict:
-    """The core alone (pagedkv_core_bench of that build, kernels.core_bench) on kernels.py's cells."""
+def core_round(builds: dict, isa: str, kargs: list[str], new_first: bool) -> list[dict]:
+    """One round of the core alone (each build's pagedkv_core_bench via kernels.core_bench, the median of
+    its repeats) on kernels.py's cells: per cell the two builds back to back (new first if new_first), so a
+    change of load between cells touches both alike. Returns the old and the new side's run."""
     from benchmarks import kernels
 
     ap = argparse.ArgumentParser()
@@ -61,19 +65,22 @@ def one_core_run(build: str, isa: str, kargs: list[str]) -> dict:
     ap.add_argument("--dims", nargs="+", default=["9/3/64", "32/8/128"])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     k, _ = ap.parse_known_args(kargs)
-    os.environ["PAGEDKV_BUILD_DIR"] = build  # kernels.core_bench runs build_dir()/pagedkv_core_bench
     load_before = os.getloadavg()
     t0 = time.time()
-    rows = []
+    rows = {"old": [], "new": []}
     for dims in k.dims:
         hq, hkv, d = (int(x) for x in dims.split("/"))
         for ctx in k.ctx:
             for n in k.threads:
-                ms, _ = kernels.core_bench(isa, hq, hkv, d, ctx, n)
-                rows.append(dict(impl=f"core-{isa}", ctx=ctx, threads=n, q_heads=hq, kv_heads=hkv, head_dim=d,
-                                 ms=ms))
-    return dict(load_before=[round(x, 2) for x in load_before], load_after=[round(x, 2) for x in os.getloadavg()],
-                seconds=round(time.time() - t0, 1), rows=rows)
+                for side in (("new", "old") if new_first else ("old", "new")):
+                    os.environ["PAGEDKV_BUILD_DIR"] = builds[side]  # core_bench runs build_dir()/pagedkv_core_bench
+                    ms, _ = kernels.core_bench(isa, hq, hkv, d, ctx, n)
+                    rows[side].append(dict(impl=f"core-{isa}", ctx=ctx, threads=n, q_heads=hq, kv_heads=hkv,
+                                           head_dim=d, ms=ms))
+    common = dict(load_before=[round(x, 2) for x in load_before],
+                  load_after=[round(x, 2) for x in os.getloadavg()], seconds=round(time.time() - t0, 1))
+    return [dict(side=side, isa=isa, kernels_args=kargs, new_first=new_first, rows=rows[side], **common)
+            for side in ("old", "new")]
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -92,17 +99,21 @@ def summarize(runs: list[dict]) -> list[dict]:
                         runs_new=len(ms["new"]), old_ms=round(old, 4), new_ms=round(new, 4),
                         new_over_old=round(new / old, 3), old_min_ms=min(ms["old"]), new_min_ms=min(ms["new"]),
                         min_new_over_min_old=round(min(ms["new"]) / min(ms["old"]), 3),
+                        # the i-th new run against the i-th old run (the same round): a load change between
+                        # rounds cancels
+                        paired_new_over_old=round(statistics.median(n / o for o, n in zip(ms["old"], ms["new"])), 3),
                         old_all=ms["old"], new_all=ms["new"]))
     return out
 
 
 def table(summary: list[dict]) -> str:
     lines = ["| path | dims q/kv/d | ctx | threads | before ms | after ms | after / before "
-             "| fastest runs: after / before | runs |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| fastest runs: after / before | paired: median of after / before per round | runs |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in summary:
         lines.append(f"| {c['isa']} | {c['dims']} | {c['ctx'] // 1024}K | {c['threads']} | {c['old_ms']:.3f} | "
                      f"{c['new_ms']:.3f} | {c['new_over_old']:.3f} | {c['min_new_over_min_old']:.3f} | "
+                     f"{c['paired_new_over_old']:.3f} | "
                      f"{c['runs_old']}+{c['runs_new']} |")
     return "\n".join(lines)
 
@@ -142,12 +153,18 @@ def main(argv=None) -> int:
     doc = doc or dict(cpu=cpu_model(), old_commit=args.old_commit, new_commit=args.new_commit, runs=[])
     for i in range(args.runs):
         for isa in args.isas:
-            sides = (("old", args.old), ("new", args.new))
-            for side, build in (sides[::-1] if args.new_first else sides):
-                run = dict(side=side, isa=isa, kernels_args=kargs,
-                           **(one_core_run if args.core else one_run)(build, isa, kargs))
+            if args.core:  # cell by cell, the order flipped every round
+                flip = args.new_first != (i % 2 == 1)
+                runs = core_round({"old": args.old, "new": args.new}, isa, kargs, flip)
+            else:  # whole kernels.py runs, one per side
+                sides = (("old", args.old), ("new", args.new))
+                runs = [dict(side=side, isa=isa, kernels_args=kargs, new_first=args.new_first,
+                             **one_run(build, isa, kargs))
+                        for side, build in (sides[::-1] if args.new_first else sides)]
+            for run in runs:
                 doc["runs"].append(run)
-                print(f"round {i + 1} {isa} {side}: load {run['load_before'][0]:.2f} -> {run['load_after'][0]:.2f}, "
+                print(f"round {i + 1} {isa} {run['side']}: "
+                      f"load {run['load_before'][0]:.2f} -> {run['load_after'][0]:.2f}, "
                       + ", ".join(f"{r['q_heads']}/{r['kv_heads']}/{r['head_dim']} {r['ctx'] // 1024}K "
                                   f"{r['threads']}T {r['ms']:.3f}" for r in run["rows"]), flush=True)
     doc["summary"] = summarize(doc["runs"])
