@@ -94,6 +94,23 @@ struct Runner::Impl {
   bool has_logits_rows = false;  // the program's last input selects the rows of the logits
   int manifest_logits_rows = -1;  // the manifest's .pte inputs end with logits_rows (1), do not (0), unlisted (-1)
   bool ran_step = false;  // this runner's program has run: the kernels' pool views can be its own
+  // the compact region (the compact tier, issue 25): the manifest's pool.compact / num_compact_blocks /
+  // compact_*_shape, and the .pte's compact_codes_L / compact_scales_L inputs of the global group's layers
+  // (after the block tables, before logits_rows, in the order the manifest's input names give). The
+  // program reads them in place (inputs it does not memory-plan): this runner's memory, one mapping
+  // allocated and zeroed at startup, passed in every call. No block table names them yet (the block
+  // manager hands out default blocks only), so the program's output is the default op's.
+  struct CompactInput {
+    int layer = 0;
+    bool scales = false;        // compact_scales_L (float16) or compact_codes_L (uint8)
+    std::vector<int64_t> shape;  // [num_compact_blocks, kv_heads, block_size, width]
+    size_t offset = 0, bytes = 0;  // in compact_mem
+  };
+  int num_compact_blocks = 0;
+  int compact_code_width = 0, compact_scale_width = 0;  // uint8 codes, float16 scales per record
+  std::vector<CompactInput> compact_inputs;
+  std::unique_ptr<Arena> compact_mem;
+  std::vector<executorch::extension::TensorPtr> compact_tensors;  // views of compact_mem, input order
   // memory
   std::vector<std::unique_ptr<Arena>> arenas;  // index i = memory id i + 1 (0: activations)
   std::vector<et::Span<uint8_t>> spans;
@@ -149,6 +166,7 @@ struct Runner::Impl {
       else
         c += static_cast<int64_t>(arenas[i]->size);
     }
+    if (compact_mem) c += static_cast<int64_t>(compact_mem->size);
     return c;
   }
 
@@ -156,6 +174,7 @@ struct Runner::Impl {
   // num_blocks, at least kMinPoolBlocks. The twin of toolkit.pool_layout.blocks_for_budget / budget_blocks
   // (same formula from the manifest's pool fields, same minimum; tests/test_runner_cli.py compares them).
   static constexpr int kMinPoolBlocks = 2;  // toolkit.pool_layout.MIN_POOL_BLOCKS
+  static constexpr int64_t kMaxCompactBlocks = 1 << 24;  // export.artifacts.MAX_POOL_TOKENS (PoolRequest.check)
   int budget_blocks(int64_t budget_bytes) const {
     const int64_t per_block = group_block_bytes(0);      // bytes_per_token * block_size without groups
     const int64_t fixed = budget_fixed_bytes();          // pool_fixed_bytes without groups
@@ -197,6 +216,13 @@ struct Runner::Impl {
       s.largest_allocation_bytes = std::max<int64_t>(s.largest_allocation_bytes, static_cast<int64_t>(a->size));
     }
     s.num_allocations = static_cast<int>(arenas.size());
+    if (compact_mem) {  // the compact region: one mapping, all of it committed
+      s.reserved_bytes += static_cast<int64_t>(compact_mem->size);
+      s.largest_allocation_bytes = std::max<int64_t>(s.largest_allocation_bytes, static_cast<int64_t>(compact_mem->size));
+      s.num_allocations += 1;
+      s.compact_blocks = num_compact_blocks;
+      for (const CompactInput& c : compact_inputs) s.compact_bytes += static_cast<int64_t>(c.bytes);
+    }
     s.prefill_tokens = prefill_tokens;
     s.decode_tokens = decode_tokens;
     s.prefill_tok_s = prefill_s > 0 ? prefill_tokens / prefill_s : 0;
@@ -271,6 +297,7 @@ struct Runner::Impl {
       for (const Json& d : pool["stage_shape"].items()) stage_n *= d.as_int();
       stage_bytes_per_seq = stage_rows > 1 ? stage_n / stage_rows * 2 * num_layers : 0;
       load_record_format(pool, elem);
+      load_compact(pool, dir);
       const Json* pte = m["artifacts"].find("pte");
       if (!pte)
         throw RunnerError(ErrorCode::kArtifact, dir + " has no .pte artifact: export it with `pagedkv export --format pte`.");
@@ -309,6 +336,60 @@ struct Runner::Impl {
     code_bytes = static_cast<uint32_t>(pool["codes_shape"].items().back().as_int() * elem);
     scale_bytes = is_float ? 0 : static_cast<uint32_t>(pool["scales_shape"].items().back().as_int() * 2);
     has_stage = !is_float && (conv_spec.fp_tail || conv_spec.sink_blocks);
+  }
+
+  // The manifest's compact region (PoolLayout.to_dict with a compact region): compact (the compact
+  // spec) and num_compact_blocks together, and the shapes the spec gives; checked like the rest of the
+  // pool (toolkit/manifest.py _check_pool, toolkit/kv_spec.py check_compact), one line on any bad value.
+  void load_compact(const Json& pool, const std::string& dir) {
+    auto bad = [&](const std::string& what) {
+      return RunnerError(ErrorCode::kArtifact, dir + "/pagedkv.json's pool " + what +
+                                                   ": re-run `pagedkv export --compact-blocks N`.");
+    };
+    num_compact_blocks = 0;
+    const Json* spec = pool.find("compact");
+    const Json* n = pool.find("num_compact_blocks");
+    if (!spec && !n) return;  // a pool without a compact region
+    if (!spec || !n) throw bad("has half a compact region (compact and num_compact_blocks go together)");
+    if (!n->is_number() || n->as_int() < 1 || n->as_int() > kMaxCompactBlocks)
+      throw bad("has num_compact_blocks " + (n->is_number() ? std::to_string(n->as_int()) : std::string("?")) +
+                ", outside 1.." + std::to_string(kMaxCompactBlocks));
+    if (!spec->is_object()) throw bad("has a compact spec that is not an object");
+    auto num = [&](const char* k) -> int64_t {
+      const Json* v = spec->find(k);
+      if (!v) throw bad(std::string("has a compact spec without ") + k);
+      return v->is_number() ? v->as_int() : (v->as_bool() ? 1 : 0);
+    };
+    pagedkv::PagedAttnParams p;
+    p.D = head_dim;
+    const int64_t kb = num("k_bits"), vb = num("v_bits"), kg = num("k_group"), vg = num("v_group");
+    const bool rot = num("rotate") != 0;
+    const std::string desc = "K" + std::to_string(kb) + "/V" + std::to_string(vb) + " groups " + std::to_string(kg) +
+                             "/" + std::to_string(vg);
+    auto group_ok = [&](int64_t g) { return g == 0 || (g >= 1 && g <= head_dim && head_dim % g == 0); };
+    if (kb < 2 || kb > 8 || vb < 2 || vb > 8 || !group_ok(kg) || !group_ok(vg) || head_dim % 8)
+      throw bad("has an invalid compact spec (" + desc + " for head_dim " + std::to_string(head_dim) + ")");
+    if (conv_spec.k_bits == 16 || conv_spec.k_bits == 32)
+      throw bad("has a compact region beside a float spec (the compact tier re-quantizes integer codes)");
+    if (rot != (conv_spec.rotate != 0)) throw bad("has a compact spec whose rotation differs from the pool's");
+    p.ck_bits = static_cast<int>(kb), p.cv_bits = static_cast<int>(vb);
+    p.ck_group = static_cast<int>(kg), p.cv_group = static_cast<int>(vg);
+    p.ck_sym = num("k_sym") != 0, p.cv_sym = num("v_sym") != 0;
+    pagedkv::compact_record_widths(p, &compact_code_width, &compact_scale_width);
+    if (compact_code_width + 2 * compact_scale_width >= static_cast<int>(code_bytes + scale_bytes))
+      throw bad("has a compact spec (" + desc + ") that is not smaller than the pool's spec");
+    num_compact_blocks = static_cast<int>(n->as_int());
+    const int64_t want_c[4] = {num_compact_blocks, kv_heads, block_size, compact_code_width};
+    const int64_t want_s[4] = {num_compact_blocks, kv_heads, block_size, compact_scale_width};
+    for (const auto& [key, want] : {std::make_pair("compact_codes_shape", want_c), std::make_pair("compact_scales_shape", want_s)}) {
+      const Json* sh = pool.find(key);
+      bool same = sh && sh->is_array() && sh->size() == 4;
+      for (size_t i = 0; same && i < 4; ++i) same = (*sh)[i].is_number() && (*sh)[i].as_int() == want[i];
+      if (!same)
+        throw bad(std::string("has ") + (sh ? "a " : "no ") + key + (sh ? " other than" : ", expected") + " [" +
+                  std::to_string(want[0]) + ", " + std::to_string(want[1]) + ", " + std::to_string(want[2]) + ", " +
+                  std::to_string(want[3]) + "] (its compact spec and sizes)");
+    }
   }
 
   bool parse_sha256(const std::string& hex) {
@@ -457,13 +538,101 @@ struct Runner::Impl {
       for (const Json& x : in->items()) have.push_back(x.is_string() ? x.as_string() : "?");
       manifest_logits_rows = !have.empty() && have.back() == "logits_rows" ? 1 : 0;
       if (manifest_logits_rows) have.pop_back();
+      // the compact region's inputs (compact_codes_L, compact_scales_L) come after the block tables
+      size_t first_compact = have.size();
+      while (first_compact > 0 && have[first_compact - 1].rfind("compact_", 0) == 0) --first_compact;
+      const std::vector<std::string> compact_names(have.begin() + static_cast<long>(first_compact), have.end());
+      have.resize(first_compact);
       if (have != want)
         throw RunnerError(ErrorCode::kArtifact,
                           dir + "/pagedkv.json describes " + std::to_string(groups.size()) + " layer group(s) (" +
                               std::to_string(groups.size()) + " block table(s)), but its .pte entry lists " +
                               std::to_string(have.size()) + " inputs (" + std::to_string(have.size() > 3 ? have.size() - 3 : 0) +
                               " block table(s)): the groups entry and the program disagree; re-run `pagedkv export`.");
+      load_compact_inputs(compact_names, dir);
+    } else if (num_compact_blocks) {
+      throw RunnerError(ErrorCode::kArtifact, dir + "/pagedkv.json's pool has a compact region but its .pte entry "
+                                                    "lists no inputs (the compact region's order): re-run `pagedkv export`.");
     }
+  }
+
+  // The .pte's compact inputs in the manifest's order (toolkit.manifest.compact_input_names): every layer
+  // of the global group(s) exactly once as compact_codes_L and compact_scales_L, no other layer; present
+  // exactly when the pool has a compact region.
+  void load_compact_inputs(const std::vector<std::string>& names, const std::string& dir) {
+    auto bad = [&](const std::string& what) {
+      return RunnerError(ErrorCode::kArtifact, dir + "/pagedkv.json's .pte entry " + what +
+                                                   ": the program and its pool disagree; re-run `pagedkv export`.");
+    };
+    compact_inputs.clear();
+    if (names.empty()) {
+      if (num_compact_blocks)
+        throw bad("lists no compact_codes_L / compact_scales_L inputs, but its pool has a compact region of " +
+                  std::to_string(num_compact_blocks) + " blocks");
+      return;
+    }
+    if (!num_compact_blocks)
+      throw bad("lists compact region inputs (" + names[0] + ", ...), but its pool describes no compact region");
+    std::vector<uint8_t> seen(2 * static_cast<size_t>(num_layers), 0);
+    for (const std::string& name : names) {
+      CompactInput c;
+      const std::string codes = "compact_codes_", scales = "compact_scales_";
+      const bool is_codes = name.rfind(codes, 0) == 0;
+      c.scales = name.rfind(scales, 0) == 0;
+      const std::string digits = name.substr(is_codes ? codes.size() : c.scales ? scales.size() : name.size());
+      bool ok = (is_codes || c.scales) && !digits.empty() && digits.size() <= 6 &&
+                std::all_of(digits.begin(), digits.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+      c.layer = ok ? std::stoi(digits) : -1;
+      if (!ok || c.layer >= num_layers)
+        throw bad("lists the input '" + name + "' (a compact input is compact_codes_L or compact_scales_L of a layer L "
+                  "in 0.." + std::to_string(num_layers - 1) + ")");
+      if (groups[static_cast<size_t>(layer_group[static_cast<size_t>(c.layer)])].window != 0)
+        throw bad("gives layer " + std::to_string(c.layer) + " of a sliding group a compact region (only the global "
+                  "group's layers read one)");
+      uint8_t& s = seen[2 * static_cast<size_t>(c.layer) + (c.scales ? 1 : 0)];
+      if (s) throw bad("lists the input '" + name + "' twice");
+      s = 1;
+      c.shape = {num_compact_blocks, kv_heads, block_size, c.scales ? compact_scale_width : compact_code_width};
+      compact_inputs.push_back(c);
+    }
+    for (const LayerGroup& g : groups)
+      for (int l : g.layers)
+        if (!g.window && !(seen[2 * static_cast<size_t>(l)] && seen[2 * static_cast<size_t>(l) + 1]))
+          throw bad("lists no compact_codes_" + std::to_string(l) + " / compact_scales_" + std::to_string(l) +
+                    " for global layer " + std::to_string(l));
+  }
+
+  // The compact region: one anonymous mapping (page aligned, zeroed), each tensor on a 64-byte boundary
+  // (toolkit.pool_layout.POOL_ALIGN), the tensors the program takes in the manifest's input order.
+  void allocate_compact(size_t alloc_index) {
+    constexpr size_t kAlign = 64;
+    size_t total = 0;
+    for (CompactInput& c : compact_inputs) {
+      total = (total + kAlign - 1) / kAlign * kAlign;
+      c.offset = total;
+      c.bytes = c.scales ? 2 : 1;
+      for (int64_t d : c.shape) c.bytes *= static_cast<size_t>(d);
+      total += c.bytes;
+    }
+    auto mem = std::make_unique<Arena>();
+    mem->size = std::max<size_t>(total, 1);
+    const bool fail = cfg.fail_allocation_at == static_cast<int>(alloc_index);
+    void* p = fail ? MAP_FAILED : mmap(nullptr, mem->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+      throw RunnerError(ErrorCode::kAllocation, "could not allocate the compact region (" +
+                                                    std::to_string(num_compact_blocks) + " blocks, " +
+                                                    std::to_string(mem->size) + " bytes)" +
+                                                    (fail ? " [injected failure]" : "") +
+                                                    ": free memory or export fewer --compact-blocks. Nothing stays allocated.");
+    mem->ptr = static_cast<uint8_t*>(p);
+    if (cfg.prefault) std::memset(mem->ptr, 0, mem->size);  // commit it now (a fresh mapping reads as zeros)
+    using executorch::extension::make_tensor_ptr;
+    for (const CompactInput& c : compact_inputs) {
+      std::vector<executorch::aten::SizesType> sizes(c.shape.begin(), c.shape.end());
+      compact_tensors.push_back(make_tensor_ptr(std::move(sizes), mem->ptr + c.offset,
+                                                c.scales ? ScalarType::Half : ScalarType::Byte));
+    }
+    compact_mem = std::move(mem);
   }
 
   std::vector<int32_t> eos;
@@ -547,13 +716,30 @@ struct Runner::Impl {
     // compute every row's logits); the manifest's input names say which, else the count does
     has_logits_rows = manifest_logits_rows >= 0 ? manifest_logits_rows == 1 : meta->num_inputs() == 4 + groups.size();
     const size_t extra = has_logits_rows ? 1 : 0;
-    if (meta->num_inputs() != 3 + groups.size() + extra)
+    const size_t n_compact = compact_inputs.size();  // after the tables, before logits_rows
+    if (meta->num_inputs() != 3 + groups.size() + n_compact + extra)
       throw RunnerError(ErrorCode::kArtifact,
                         pte + " takes " + std::to_string(meta->num_inputs()) + " inputs (" +
                             std::to_string(meta->num_inputs() >= 3 + extra ? meta->num_inputs() - 3 - extra : 0) +
                             " block table(s)), but pagedkv.json describes " + std::to_string(groups.size()) +
-                            " layer group(s), one block table each: the groups entry and the program disagree; "
-                            "re-run `pagedkv export`.");
+                            " layer group(s), one block table each" +
+                            (n_compact ? ", and " + std::to_string(n_compact) + " compact region inputs" : std::string()) +
+                            ": the manifest and the program disagree; re-run `pagedkv export`.");
+    for (size_t j = 0; j < n_compact; ++j) {  // each compact input as the program declares it
+      const CompactInput& c = compact_inputs[j];
+      const size_t idx = 3 + groups.size() + j;
+      auto tm = meta->input_tensor_meta(idx);
+      bool ok = tm.ok() && tm->scalar_type() == (c.scales ? ScalarType::Half : ScalarType::Byte) &&
+                tm->sizes().size() == c.shape.size();
+      for (size_t k = 0; ok && k < c.shape.size(); ++k) ok = tm->sizes()[k] == c.shape[k];
+      if (!ok)
+        throw RunnerError(ErrorCode::kArtifact,
+                          pte + "'s input " + std::to_string(idx) + " is not " + (c.scales ? "compact_scales_" : "compact_codes_") +
+                              std::to_string(c.layer) + " (" + (c.scales ? "float16" : "uint8") + " [" +
+                              std::to_string(c.shape[0]) + ", " + std::to_string(c.shape[1]) + ", " +
+                              std::to_string(c.shape[2]) + ", " + std::to_string(c.shape[3]) +
+                              "]) as pagedkv.json's pool and input names give: re-run `pagedkv export`.");
+    }
     // the budget decides how many blocks of group 0 are usable (and committed); the other groups' are all
     const int limit = cfg.pool_budget_bytes > 0 ? budget_blocks(cfg.pool_budget_bytes) : groups[0].num_blocks;
     budget_limit = limit;
@@ -595,6 +781,7 @@ struct Runner::Impl {
       arenas.push_back(std::move(arena));
     }
     if (cfg.prefault) touch_blocks(0, limit, true);
+    if (n_compact) allocate_compact(nbuf);
     planned = std::make_unique<et::HierarchicalAllocator>(et::Span<et::Span<uint8_t>>(spans.data(), spans.size()));
     if (module->load_method("forward", planned.get()) != et::Error::Ok)
       throw RunnerError(ErrorCode::kModel, "ExecuTorch could not load method 'forward' of " + pte +
@@ -633,6 +820,7 @@ struct Runner::Impl {
       t_tabs.push_back(make_tensor_ptr({max_seqs, width}, t.data(), ScalarType::Long));
       inputs.emplace_back(*t_tabs.back());
     }
+    for (auto& t : compact_tensors) inputs.emplace_back(*t);  // the compact region, read in place
     int64_t last_row = T - 1;  // the LM head runs on the call's last token only
     auto t_rows = make_tensor_ptr({1}, &last_row, ScalarType::Long);
     if (has_logits_rows) inputs.emplace_back(*t_rows);
@@ -694,6 +882,35 @@ static int32_t sample(const std::vector<float>& logits, const Sampling& s, std::
   }
   std::discrete_distribution<size_t> dist(p.begin(), p.end());
   return static_cast<int32_t>(dist(rng));
+}
+
+void record_widths(const RecordBits& b, int d, int* code_bytes, int* scale_count) {
+  const int kg = b.k_group ? b.k_group : d, vg = b.v_group ? b.v_group : d;
+  *code_bytes = d * b.k_bits / 8 + d * b.v_bits / 8;
+  *scale_count = d / kg * (b.k_sym ? 1 : 2) + d / vg * (b.v_sym ? 1 : 2);
+}
+
+void requantize_records(const uint8_t* codes, const uint16_t* scales, size_t n, const RecordBits& src,
+                        const RecordBits& dst, int d, uint8_t* out_codes, uint16_t* out_scales) {
+  int scw = 0, ssw = 0, dcw = 0, dsw = 0;
+  record_widths(src, d, &scw, &ssw);
+  record_widths(dst, d, &dcw, &dsw);
+  // a record: K codes, then V codes; K's scales (and zero points when asymmetric), then V's
+  const int sk_codes = d * src.k_bits / 8, sk_meta = d / (src.k_group ? src.k_group : d) * (src.k_sym ? 1 : 2);
+  const int dk_codes = d * dst.k_bits / 8, dk_meta = d / (dst.k_group ? dst.k_group : d) * (dst.k_sym ? 1 : 2);
+  std::vector<float> x(static_cast<size_t>(d));
+  for (size_t r = 0; r < n; ++r) {
+    const uint8_t* c = codes + r * static_cast<size_t>(scw);
+    const uint16_t* m = scales + r * static_cast<size_t>(ssw);
+    uint8_t* oc = out_codes + r * static_cast<size_t>(dcw);
+    uint16_t* om = out_scales + r * static_cast<size_t>(dsw);
+    pagedkv::dequantize_record(c, m, d, src.k_bits, src.k_group ? src.k_group : d, src.k_sym, x.data());
+    pagedkv::quantize_record(x.data(), d, dst.k_bits, dst.k_group ? dst.k_group : d, dst.k_sym, oc, om);
+    pagedkv::dequantize_record(c + sk_codes, m + sk_meta, d, src.v_bits, src.v_group ? src.v_group : d, src.v_sym,
+                               x.data());
+    pagedkv::quantize_record(x.data(), d, dst.v_bits, dst.v_group ? dst.v_group : d, dst.v_sym, oc + dk_codes,
+                             om + dk_meta);
+  }
 }
 
 Runner::Runner(const RunnerConfig& cfg) : impl_(new Impl) {
@@ -1145,6 +1362,10 @@ MemoryUse Runner::memory_use() const {
     const int64_t size = static_cast<int64_t>(m.arenas[i]->size);
     (i == 0 ? u.activations_resident : u.pool_resident) += res;
     (i == 0 ? u.activations_reserved : u.pool_reserved) += size;
+  }
+  if (m.compact_mem) {  // the compact region is pool memory too
+    u.pool_resident += resident_bytes(m.compact_mem->ptr, m.compact_mem->size);
+    u.pool_reserved += static_cast<int64_t>(m.compact_mem->size);
   }
   u.program_path = m.cfg.artifacts_dir + "/" + m.pte_file;
   return u;

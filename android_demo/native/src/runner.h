@@ -80,6 +80,11 @@ struct PoolStats {
   std::string isa;
   int threads = 0;  // ExecuTorch's threadpool (linears and attention kernel)
   std::vector<GroupStats> groups;  // per layer group; empty for a model without sliding layers
+  // the compact region (a .pte exported with --compact-blocks N; issue 25): blocks of it and its bytes,
+  // all its layers (allocated once at startup, counted in reserved/committed bytes and in
+  // pool_fixed_bytes); 0 without one. The runner does not compact blocks yet: none of them is used.
+  int compact_blocks = 0;
+  int64_t compact_bytes = 0;
 };
 
 // Resident bytes of the runner's own mappings now (mincore), for a whole-process breakdown.
@@ -102,6 +107,22 @@ struct ShrinkResult {
 // character pending, one last call repeats the last token id with that tail (as U+FFFD); its return
 // value is ignored. At a stop token or the token cap the tail comes with the last token.
 using TokenCallback = std::function<bool(int32_t token, const std::string& text)>;
+
+// The record fields of a KV spec (KVQuantSpec's bits, groups and sym; group 0 = head_dim): what
+// re-quantization reads and writes.
+struct RecordBits {
+  int k_bits = 8, v_bits = 4, k_group = 0, v_group = 0;
+  bool k_sym = true, v_sym = false;
+};
+// Re-quantizes n records (one block of one layer: kv_heads * block_size records) from spec src to spec
+// dst, the compact tier's conversion: each record's K and V dequantized from the stored codes, then
+// quantized with dst's rule (pagedkv_core's dequantize_record / quantize_record). Bit for bit
+// toolkit.quant.requantize (tests/test_runner_compact.py). Records: codes [n, code width] uint8,
+// scales [n, scale width] float16 bits, widths as toolkit/POOL_FORMAT.md ("One record").
+void requantize_records(const uint8_t* codes, const uint16_t* scales, size_t n, const RecordBits& src,
+                        const RecordBits& dst, int head_dim, uint8_t* out_codes, uint16_t* out_scales);
+// One spec's record widths at head_dim: code bytes and float16 scales per record.
+void record_widths(const RecordBits& b, int head_dim, int* code_bytes, int* scale_count);
 
 class Runner {
  public:

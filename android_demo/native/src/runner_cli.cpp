@@ -199,6 +199,8 @@ int main(int argc, char** argv) {
           (long long)mu.pool_reserved, (long long)st.kv_bytes_in_use, (long long)mu.activations_resident,
           (long long)mu.activations_reserved, (long long)libs, (long long)rest, st.total_blocks, st.usable_blocks,
           st.used_blocks, (long long)st.pool_fixed_bytes);
+      // the compact region (a .pte exported with --compact-blocks N): its blocks and bytes, 0 without one
+      std::printf("\"compact_blocks\": %d, \"compact_bytes\": %lld, ", st.compact_blocks, (long long)st.compact_bytes);
       if (!st.groups.empty()) {  // per layer group (models with sliding layers): block counts of each pool
         std::printf("\"groups\": [");
         for (size_t g = 0; g < st.groups.size(); ++g) {

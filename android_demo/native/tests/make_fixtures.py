@@ -56,6 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pool-tokens", type=int, default=512)
     ap.add_argument("--max-seqs", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--compact-blocks", type=int, default=0, help="a compact region of N blocks (issue 25)")
     a = ap.parse_args(argv)
 
     from export.artifacts import PoolRequest, export_artifacts
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
     art = a.out / "artifacts"
     export_artifacts(
         "tiny-llama", art, formats=("pte",), spec=a.spec,
-        pool=PoolRequest(pool_tokens=a.pool_tokens, max_seqs=a.max_seqs, block_size=16),
+        pool=PoolRequest(pool_tokens=a.pool_tokens, max_seqs=a.max_seqs, block_size=16, compact_blocks=a.compact_blocks),
         max_tokens_per_call=32, model_and_tokenizer=(model, tok),
     )
     reference = tiny_model("llama")  # export rewrites `model`'s attention; HF runs on a fresh copy

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -75,7 +76,39 @@ std::string show(const std::vector<int32_t>& v) {
 
 }  // namespace
 
+// runner_test --requantize SRC DST HEAD_DIM N IN OUT: requantize_records on N records read from IN (their
+// codes, then their float16 scales, raw) written to OUT the same way; SRC and DST are
+// "k_bits,v_bits,k_group,v_group,k_sym,v_sym". tests/test_runner_compact.py compares OUT with
+// toolkit.quant.requantize.
+static int requantize_tool(char** argv) {
+  auto bits = [](const char* s) {
+    RecordBits b;
+    int ks = 0, vs = 0;
+    if (std::sscanf(s, "%d,%d,%d,%d,%d,%d", &b.k_bits, &b.v_bits, &b.k_group, &b.v_group, &ks, &vs) != 6) std::exit(2);
+    b.k_sym = ks != 0, b.v_sym = vs != 0;
+    return b;
+  };
+  const RecordBits src = bits(argv[2]), dst = bits(argv[3]);
+  const int d = std::atoi(argv[4]);
+  const size_t n = static_cast<size_t>(std::atol(argv[5]));
+  int scw, ssw, dcw, dsw;
+  record_widths(src, d, &scw, &ssw);
+  record_widths(dst, d, &dcw, &dsw);
+  std::ifstream in(argv[6], std::ios::binary);
+  std::vector<uint8_t> codes(n * static_cast<size_t>(scw)), oc(n * static_cast<size_t>(dcw));
+  std::vector<uint16_t> scales(n * static_cast<size_t>(ssw)), os(n * static_cast<size_t>(dsw));
+  in.read(reinterpret_cast<char*>(codes.data()), static_cast<std::streamsize>(codes.size()));
+  in.read(reinterpret_cast<char*>(scales.data()), static_cast<std::streamsize>(scales.size() * 2));
+  if (!in) return 2;
+  requantize_records(codes.data(), scales.data(), n, src, dst, d, oc.data(), os.data());
+  std::ofstream out(argv[7], std::ios::binary);
+  out.write(reinterpret_cast<const char*>(oc.data()), static_cast<std::streamsize>(oc.size()));
+  out.write(reinterpret_cast<const char*>(os.data()), static_cast<std::streamsize>(os.size() * 2));
+  return out ? 0 : 2;
+}
+
 int main(int argc, char** argv) {
+  if (argc == 8 && std::string(argv[1]) == "--requantize") return requantize_tool(argv);
   if (argc < 2) {
     std::fprintf(stderr, "usage: runner_test FIXTURES_DIR [--expect-isa NAME] [--no-rss] [--tokens-out FILE]\n");
     return 2;
