@@ -179,39 +179,10 @@ def record_compact_trace(seed: int, n_ops: int = 700) -> list[str]:
 
 
 def replay_compact_python(ops: list[str]) -> list[str]:
-    import random
-
+    from tests.test_twins import replay_python
     from toolkit.block_pool import BlockPool
-    from toolkit.errors import PagedKVError, PoolExhausted
 
-    pool = BlockPool(NB, BS, MS, num_compact_blocks=NC)
-    rnd = random.Random(0)
-    out = []
-    for line in ops:
-        op, *args = line.split()
-        seq, n = (int(a) for a in (args + ["0", "0"])[:2])
-        try:
-            if op == "new":
-                res = f"seq {pool.new_sequence()}"
-            elif op == "reserve":
-                pool.reserve(seq, n)
-                res = f"ok blocks {len(pool.block_table(seq))}"
-            elif op == "commit":
-                pool.commit(seq, [rnd.randrange(1000) for _ in range(n)])
-                res = f"len {pool.length(seq)}"
-            elif op == "compact":
-                pool.compact(seq, n)
-                res = "compacted"
-            else:
-                pool.release(seq)
-                res = "released"
-        except PoolExhausted:
-            res = "exhausted"
-        except PagedKVError:
-            res = "state error"
-        pool.check_invariants()
-        out.append(f"{res} used {pool.num_used_blocks} free {pool.num_free_blocks} cfree {pool.num_free_compact_blocks}")
-    return out
+    return replay_python(ops, BlockPool(NB, BS, MS, num_compact_blocks=NC))
 
 
 @pytest.mark.parametrize("seed", [1, 2])

@@ -67,8 +67,10 @@ def record_trace(seed: int, n_ops: int = 600, pool=None) -> list[str]:
     return ops
 
 
-def replay_python(ops: list[str]) -> list[str]:
-    pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS)
+def replay_python(ops: list[str], pool: BlockPool | None = None) -> list[str]:
+    """The Python side of a trace, in the words of block_manager_test --trace. A pool with a compact
+    region also takes "compact SEQ I" and reports its free compact blocks (tests/test_runner_compact.py)."""
+    pool = pool or BlockPool(NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS)
     rnd = random.Random(0)
     out = []
     for line in ops:
@@ -83,6 +85,9 @@ def replay_python(ops: list[str]) -> list[str]:
             elif op == "commit":
                 pool.commit(seq, [rnd.randrange(1000) for _ in range(n)])
                 res = f"len {pool.length(seq)}"
+            elif op == "compact":
+                pool.compact(seq, n)
+                res = "compacted"
             else:
                 pool.release(seq)
                 res = "released"
@@ -91,7 +96,8 @@ def replay_python(ops: list[str]) -> list[str]:
         except PagedKVError:
             res = "state error"
         pool.check_invariants()
-        out.append(f"{res} used {pool.num_used_blocks} free {pool.num_free_blocks}")
+        line = f"{res} used {pool.num_used_blocks} free {pool.num_free_blocks}"
+        out.append(line + (f" cfree {pool.num_free_compact_blocks}" if pool.num_compact_blocks else ""))
     return out
 
 
