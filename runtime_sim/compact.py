@@ -17,6 +17,16 @@ from toolkit.block_pool import HOLE
 from toolkit.errors import PagedKVError
 
 
+def aged_blocks(pool, seq: int, horizon: int, first: int = 1) -> list[int]:
+    """Logical blocks of seq that may move to the compact region, oldest first: from `first` (past the
+    sink blocks) to the last block ending at least `horizon` tokens back, each a default block held by
+    seq alone (not dropped, not compact already, not shared)."""
+    table = pool.block_table(seq)
+    last = (pool.length(seq) - horizon) // pool.block_size  # blocks i < last end at least horizon tokens back
+    return [i for i in range(first, last)
+            if table[i] != HOLE and table[i] < pool.num_blocks and pool.refcount(table[i]) == 1]
+
+
 def compact_aged(engine, cid: int, horizon: int) -> list[tuple[int, int, int]]:
     """Move conversation cid's aged blocks to the compact region while it has free blocks. Returns
     (logical block, default id, compact id) of each block moved (ids as in the block table)."""
@@ -35,17 +45,11 @@ def compact_aged(engine, cid: int, horizon: int) -> list[tuple[int, int, int]]:
     conv = engine._conv(cid)
     if conv.spill is not None:
         raise PagedKVError(f"conversation {cid} lies in a spill file: restore it (its next turn) before compacting.")
-    bs, n = lay.block_size, pool.num_blocks
-    table = pool.block_table(conv.seq)
-    first = max(1, lay.spec.sink_blocks)
-    last = (pool.length(conv.seq) - horizon) // bs  # blocks i < last end at least horizon tokens back
+    n = pool.num_blocks
     moved = []
-    for i in range(first, last):
+    for i in aged_blocks(pool, conv.seq, horizon, first=max(1, lay.spec.sink_blocks)):
         if not pool.num_free_compact_blocks:
             break
-        b = table[i]
-        if b == HOLE or b >= n or pool.refcount(b) > 1:
-            continue  # dropped, compact already, or shared with another conversation
         src, dst = pool.compact(conv.seq, i)
         engine.backend.compact_block(src, dst - n)
         moved.append((i, src, dst))

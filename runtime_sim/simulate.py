@@ -548,18 +548,16 @@ class PagedPressure(Paged):
         return default * self.block_bytes + compact * self.compact_block_bytes + self.layout.stage_bytes_per_sequence
 
     def _compact_aged(self, conv: int) -> int:
-        """runtime_sim.compact.compact_aged's choice of blocks: full blocks ending at least the horizon
-        back, oldest first, never the sink block or one already compact; while compact blocks are free."""
+        """The engine's choice of blocks (runtime_sim.compact.aged_blocks), moved while compact blocks are free."""
+        from runtime_sim.compact import aged_blocks
+
         seq = self.seqs[conv]
-        table = self.pool.block_table(seq)
-        last = (self.pool.length(seq) - self.cfg.compact_horizon) // self.cfg.block_size
         moved = 0
-        for i in range(1, last):
+        for i in aged_blocks(self.pool, seq, self.cfg.compact_horizon):
             if not self.pool.num_free_compact_blocks:
                 break
-            if 0 <= table[i] < self.pool.num_blocks:
-                self.pool.compact(seq, i)
-                moved += 1
+            self.pool.compact(seq, i)
+            moved += 1
         return moved
 
     def _compact_one(self, active: int) -> bool:
