@@ -335,6 +335,10 @@ OPTION_CASES = {
     "simulate-plot-nodir": (["simulate", "--plot", "/nodir/x.png"], "directory /nodir does not exist"),
     "simulate-plot-suffix": (["simulate", "--plot", "OUT.txt"], "must end in .png"),
     "simulate-fragmentation": (["simulate", "--fragmentation", "nan"], "--fragmentation nan"),
+    "simulate-compact-share": (["simulate", "--compact-share", "1.5", "--no-plot"], "--compact-share 1.5"),
+    "simulate-compact-horizon": (["simulate", "--compact-horizon", "0", "--no-plot"], "--compact-horizon 0"),
+    "simulate-flash-mb": (["simulate", "--flash-mb", "-1", "--no-plot"], "--flash-mb -1"),
+    "eval-kernel": (["eval", "M", "--text", "F", "--ctx", "512", "--kernel", "fast"], "unknown --kernel 'fast'"),
     "plan-max-seqs": (["plan", "llama", "--max-seqs", "0"], "--max-seqs 0"),
     "eval-ctx": (["eval", "M", "--text", "F", "--ctx", "1"], "--ctx 1"),
 }
