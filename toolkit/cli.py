@@ -495,8 +495,9 @@ def simulate_cmd(
                                 "paged-quant-compact (adaptive with the compact tier: compact aged blocks, spill, slide)."),
     flash_mb: Optional[float] = typer.Option(None, "--flash-mb", help="--ladder: flash for spill files in MiB "
                                              "(default unlimited; 0 = no spilling)."),
-    compact_share: float = typer.Option(0.5, "--compact-share", help="paged-quant-compact: fraction of the pool "
-                                        "bytes in the compact region (the same total bytes)."),
+    compact_share: str = typer.Option("auto", "--compact-share", help="paged-quant-compact: fraction of the pool "
+                                      "bytes in the compact region (the same total bytes), or 'auto': default "
+                                      "blocks for every chat's --compact-horizon and one turn, the rest compact."),
     compact_horizon: int = typer.Option(1024, "--compact-horizon", help="paged-quant-compact: recent tokens each "
                                         "chat keeps in default blocks; older blocks may be compacted."),
 ):
@@ -510,7 +511,12 @@ def simulate_cmd(
     check_number("--app-churn", app_churn, 0, 1000)
     check_number("--seed", seed, 0, 2**63 - 1)
     check_number("--flash-mb", flash_mb, 0, 2**30)
-    check_number("--compact-share", compact_share, 0, 1, lo_open=True)
+    if compact_share != "auto":
+        try:
+            compact_share = float(compact_share)
+        except ValueError:
+            _bad(f"--compact-share {compact_share}: give a fraction in (0, 1) or 'auto'.")
+        check_number("--compact-share", compact_share, 0, 1, lo_open=True)
     check_number("--compact-horizon", compact_horizon, 1, 1 << 24)
     if not no_plot:  # before the simulation, not after it
         plot = check_output_file("--plot", plot, (".png", ".svg", ".pdf", ".jpg", ".jpeg"))
