@@ -37,8 +37,11 @@ engine's pool policies (runtime_sim/engine.py) instead of failing when it is ful
   `flash_bytes`, default unlimited) and restored without prefill on its next turn, making room by
   spilling others; last, the active chat slides (its oldest block after the sink is dropped: a loss).
 * paged-quant-compact: policy `adaptive` with the compact tier, the engine's whole ladder. The same pool
-  bytes are split: `compact_share` of them hold a compact region (blocks in kv_spec.compact_spec_for the
-  spec: K4/V3 by default, ~0.58x a default block's bytes), the rest default blocks. First the aged
+  bytes are split into default blocks and a compact region (blocks in kv_spec.compact_spec_for the
+  spec: K4/V3 by default, ~0.58x a default block's bytes): by default (`compact_share` "auto",
+  compact_split_layout) the default region is what the expected chats need there (every chat's sink
+  block and its last `compact_horizon` tokens, and the largest turn the trace makes), the rest compact;
+  a number is the fraction of the pool bytes in the compact region. First the aged
   blocks (ending at least `compact_horizon` tokens back; never the sink block or the last token's block)
   of idle chats, least recently used first, then of the active chat move to the compact region; then
   idle chats are spilled; last, the active chat slides. Compaction loses no token; its cost is
@@ -252,7 +255,8 @@ class SimConfig:
     p_clear: float = 0.01  # chance a step clears a chat
     model: str | None = None  # model for the dims (default SmolLM2-135M)
     flash_bytes: int | None = None  # paged-quant-ladder/-compact: flash for spill files (None = unlimited)
-    compact_share: float = 0.5  # paged-quant-compact: fraction of the pool bytes in the compact region
+    compact_share: float | str = "auto"  # paged-quant-compact: fraction of the pool bytes in the compact region,
+    # or "auto": the default region sized for `chats` horizons and one turn (compact_split_layout)
     compact_horizon: int = 1024  # paged-quant-compact: recent tokens a chat keeps in default blocks
 
     def free_bytes(self) -> int:
@@ -271,9 +275,10 @@ class SimConfig:
         check_block_size(self.block_size)
         if self.app_churn < 0:
             raise SpecError(f"--app-churn {self.app_churn}: use a rate >= 0 (events per turn).")
-        if not 0 < self.compact_share < 1:
+        if self.compact_share != "auto" and (isinstance(self.compact_share, str)
+                                             or not 0 < self.compact_share < 1):
             raise SpecError(f"--compact-share {self.compact_share}: give the fraction of the pool bytes for the "
-                            "compact region, between 0 and 1 (e.g. 0.5).")
+                            "compact region, between 0 and 1 (e.g. 0.5), or 'auto'.")
         if self.compact_horizon < 1:
             raise SpecError(f"--compact-horizon {self.compact_horizon}: give the recent tokens kept in default "
                             "blocks (>= 1, e.g. 1024).")
@@ -284,7 +289,7 @@ class SimConfig:
 def make_trace(cfg: SimConfig) -> list[Event]:
     """The seeded event list every strategy replays: chats, turns, clears, other apps' churn."""
     rng = np.random.default_rng([cfg.seed, 2])
-    cap_user, cap_asst = min(2048, cfg.ctx // 4), min(1024, cfg.ctx // 4)
+    cap_user, cap_asst = max_turn_tokens(cfg), min(1024, cfg.ctx // 4)
     events: list[Event] = []
     live: dict[int, int] = {}  # conv -> tokens so far
     next_conv = 0
@@ -318,6 +323,11 @@ def make_trace(cfg: SimConfig) -> list[Event]:
                 else:
                     events.append(Event("app_free", pick=float(rng.random())))
     return events
+
+
+def max_turn_tokens(cfg: SimConfig) -> int:
+    """The most tokens one turn of make_trace's trace admits at once (a user prompt, capped)."""
+    return min(2048, cfg.ctx // 4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -499,11 +509,33 @@ class Paged(_Strategy):
         }
 
 
-def compact_split_layout(layout: PoolLayout, budget: int, share: float) -> PoolLayout:
-    """`layout` (all default blocks, within budget) with `share` of its block bytes moved to a compact
-    region (kv_spec.compact_spec_for its spec), the whole still within budget."""
+def default_region_blocks(chats: int, horizon: int, turn_tokens: int, block_size: int, sink_blocks: int = 1) -> int:
+    """Default blocks the compact ladder needs so that no chat's recent tokens must leave the default
+    region (else the active chat slides while compact room is left): per chat its sink block(s), the
+    blocks of its last `horizon` tokens and the block straddling that horizon (runtime_sim.compact.
+    aged_blocks moves only blocks ending >= horizon back), plus the active turn's tokens, admitted at once."""
+    per_chat = max(1, sink_blocks) + -(-horizon // block_size) + 1
+    return chats * per_chat + -(-turn_tokens // block_size)
+
+
+def compact_split_layout(layout: PoolLayout, budget: int, share: float | str = "auto", chats: int | None = None,
+                         horizon: int = 1024, turn_tokens: int = 0) -> PoolLayout:
+    """`layout` (all default blocks, within budget) with part of its block bytes moved to a compact region
+    (kv_spec.compact_spec_for its spec), the whole still within budget. share: the fraction moved, or
+    "auto": keep default_region_blocks(chats (default layout.max_seqs), horizon, turn_tokens) default
+    blocks and make the rest compact. The one rule for sizing the region (simulate, pressure_ladder)."""
     compact = compact_spec_for(layout.spec, layout.head_dim)
-    num_blocks = max(1, round(layout.num_blocks * (1 - share)))
+    if share == "auto":
+        need = default_region_blocks(chats or layout.max_seqs, horizon, turn_tokens, layout.block_size,
+                                     layout.spec.sink_blocks)
+        if need >= layout.num_blocks:
+            raise SpecError(f"the pool's {layout.num_blocks} blocks cannot keep the recent {horizon} tokens of "
+                            f"{chats or layout.max_seqs} chats and a turn of {turn_tokens} ({need} default blocks) "
+                            "and leave room for a compact region: raise --pool-mb, lower --compact-horizon or "
+                            "--chats, or give --compact-share.")
+        num_blocks = need
+    else:
+        num_blocks = max(1, round(layout.num_blocks * (1 - share)))
     default_block = layout.bytes_per_token * layout.block_size
     compact_block = bytes_per_token(compact, layout.num_kv_heads, layout.head_dim, layout.num_layers) * layout.block_size
     n = (layout.num_blocks - num_blocks) * default_block // compact_block
@@ -516,6 +548,12 @@ def compact_split_layout(layout: PoolLayout, budget: int, share: float) -> PoolL
     raise SpecError(f"a compact share of {share} leaves no compact block in this pool: raise --pool-mb or the share.")
 
 
+def simulate_compact_layout(layout: PoolLayout, budget: int, cfg: SimConfig) -> PoolLayout:
+    """paged-quant-compact's pool: compact_split_layout for the trace's chats, horizon and largest turn."""
+    return compact_split_layout(layout, budget, cfg.compact_share, cfg.chats, cfg.compact_horizon,
+                                max_turn_tokens(cfg))
+
+
 class PagedPressure(Paged):
     """paged-quant's pool under a pool policy (module docstring): 'evict', 'ladder' (spill, then slide) or
     'compact' (compact aged blocks, then spill, then slide)."""
@@ -526,7 +564,7 @@ class PagedPressure(Paged):
         self.compact_block_bytes = 0
         if mode == "compact":
             budget = cfg.pool_bytes if cfg.pool_bytes is not None else 2 * contiguous_buffer_bytes(dims, cfg.ctx)
-            self.layout = compact_split_layout(self.layout, budget, cfg.compact_share)
+            self.layout = simulate_compact_layout(self.layout, budget, cfg)
             self.pool = BlockPool(self.layout.num_blocks, cfg.block_size, cfg.chats, self.layout.num_compact_blocks)
             self.compact_block_bytes = self.layout.compact_bytes_per_token * cfg.block_size
         self.clock = 0
