@@ -20,6 +20,7 @@
 #include "chat_template.h"
 #include "conversation_file.h"
 #include "json.h"
+#include "mapped_pages.h"
 #include "pagedkv_core.h"
 
 // ExecuTorch's threadpool: the executorch wheel ships its library (libexecutorch_threadpool.so, linked
@@ -116,6 +117,7 @@ struct Runner::Impl {
   std::vector<et::Span<uint8_t>> spans;
   std::unique_ptr<et::HierarchicalAllocator> planned;
   std::unique_ptr<Module> module;
+  std::unique_ptr<MappedPages> mapped;  // the .pte's mapped pages, unmapped before each call (mapped_pages.h)
   // layer groups (the manifest's "groups" entry; without it one global group of every layer): one block
   // table per group, passed as block_tables, block_tables_1, ... (the .pte's input order)
   std::vector<LayerGroup> groups;
@@ -770,22 +772,29 @@ struct Runner::Impl {
                               std::to_string(codes) + " bytes (" +
                               std::to_string(groups[static_cast<size_t>(layer_group[i - 1])].num_blocks) +
                               " blocks): the .pte and pagedkv.json (pool / groups) do not match; re-export.");
-      if (cfg.prefault) {  // commit what the budget allows: activations, non-block tensors, blocks < limit
-        if (i == 0 || !per_layer_arenas() || layer_group[i - 1] != 0) {
-          std::memset(arena->ptr, 0, arena->size);
-        } else {
-          std::memset(arena->ptr + codes, 0, arena->size - codes);
-        }
-      }
       spans.emplace_back(arena->ptr, arena->size);
       arenas.push_back(std::move(arena));
     }
-    if (cfg.prefault) touch_blocks(0, limit, true);
     if (n_compact) allocate_compact(nbuf);
     planned = std::make_unique<et::HierarchicalAllocator>(et::Span<et::Span<uint8_t>>(spans.data(), spans.size()));
     if (module->load_method("forward", planned.get()) != et::Error::Ok)
       throw RunnerError(ErrorCode::kModel, "ExecuTorch could not load method 'forward' of " + pte +
                                                " (missing kernel? the pagedkv kernels are linked into this runner)");
+    // commit what the budget allows: activations, non-block tensors, blocks < limit. After loading the
+    // method (which writes nothing there): the load's own transient peak (XNNPACK packing the weights
+    // from the .pte's mapped pages) then does not stack on the pool's pages (issue 23)
+    for (size_t i = 0; cfg.prefault && i < nbuf; ++i) {
+      Arena& arena = *arenas[i];
+      if (i == 0 || !per_layer_arenas() || layer_group[i - 1] != 0) {
+        std::memset(arena.ptr, 0, arena.size);
+      } else {
+        const size_t codes = static_cast<size_t>(codes_bytes_of_layer(static_cast<int>(i - 1)));
+        std::memset(arena.ptr + codes, 0, arena.size - codes);
+      }
+    }
+    if (cfg.prefault) touch_blocks(0, limit, true);
+    mapped = std::make_unique<MappedPages>(pte);
+    mapped->prepare();
   }
 
   // One graph call for one conversation; returns the last token's logits.
@@ -824,6 +833,7 @@ struct Runner::Impl {
     int64_t last_row = T - 1;  // the LM head runs on the call's last token only
     auto t_rows = make_tensor_ptr({1}, &last_row, ScalarType::Long);
     if (has_logits_rows) inputs.emplace_back(*t_rows);
+    if (mapped) mapped->release();  // unmap the file pages the previous call read (mapped_pages.h)
     auto res = module->forward(inputs);
     if (!res.ok()) {
       // the kernel checks its inputs before writing: the blocks reserved for this call are unused
