@@ -4,9 +4,11 @@ the conversation's spec (default K8/V4) to a compact spec, on SmolLM2-135M over 
     python benchmarks/compact_tier.py                                  # 8K stream, horizon 1024, all candidates
     python benchmarks/compact_tier.py --ctx 2048 --horizon 512 --out benchmarks/results/compact_tier_2k.json
     python benchmarks/compact_tier.py --candidates k4v3 k3v4 --threads 2
+    python benchmarks/compact_tier.py --model gemma3-270m --candidates k4v3 --out benchmarks/results/compact_tier_gemma3.json
 
 Method. One teacher-forced window of --ctx tokens from the start of wikitext-2 (the text, tokenizer and
-model of benchmarks/fidelity.py). Rows:
+model of benchmarks/fidelity.py; --model gemma3-270m: Gemma 3 270M, BOS first, its sliding layers attend
+within their window in the default spec and never compact, as in the engine). Rows:
 - fp32: unquantized attention (the reference of benchmarks/fidelity.py);
 - default: every block in the conversation's spec (float16 sink block and own block, as the op reads them);
 - one row per candidate: the query at position p reads block b in the compact spec when the engine
@@ -187,15 +189,21 @@ def attend_parts(qa: torch.Tensor, parts: list, scale: float) -> torch.Tensor:
     return out.reshape(hkv, grp, n, d)
 
 
-def emulated_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def emulated_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                       softcap=None, **kwargs):
     d = query.shape[-1]
     scale = scaling if scaling is not None else d ** -0.5
+    if softcap:
+        raise SystemExit("this emulation has no attention softcap: the model needs the paged op's path")
+    window = sliding_window or 0  # a sliding layer (Gemma 3): keys p - j < window only, never compact
     q, k, v = query[0].float(), key[0].float(), value[0].float()  # [H, T, D]
     hq, t, _ = q.shape
     hkv = k.shape[0]
     grp = hq // hkv
     if Mode.kind == "fp32":
-        out = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
+        tq = torch.arange(t)
+        keep = (tq[None, :] <= tq[:, None]) & ((tq[:, None] - tq[None, :] < window) if window else True)
+        out = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=keep, scale=scale,
                                                                enable_gqa=True)[0]
         return out.transpose(0, 1)[None].to(query.dtype), None
     spec, bs = Mode.default, Mode.block_size
@@ -205,7 +213,7 @@ def emulated_attention(module, query, key, value, attention_mask, scaling=None, 
     codes, scales = stored((k, v), spec, d)
     kd, vd = read_back(codes, scales, spec, d)
     row = Mode.row
-    compact = Mode.kind == "compact"
+    compact = Mode.kind == "compact" and not window  # the compact tier is the global layers' only
     if compact:  # the compact tier: toolkit.quant.requantize of the stored records, read back
         ccodes, cscales = requantize(codes, scales, spec, row.spec, d)
         kc, vc = read_back(ccodes, cscales, row.spec, d)
@@ -218,7 +226,7 @@ def emulated_attention(module, query, key, value, attention_mask, scaling=None, 
         keys = a + n
         p = torch.arange(a, a + n)[:, None]
         j = torch.arange(keys)[None, :]
-        causal = j <= p
+        causal = (j <= p) & ((p - j < window) if window else True)
         bj, bp = j // bs, p // bs
         fp = torch.zeros_like(causal)
         if spec.sink_blocks:
@@ -289,6 +297,12 @@ def check_against_op(model, ids: torch.Tensor, bs: int, spec: KVQuantSpec, n: in
     return float((theirs.exp() * (theirs - mine)).sum(-1).mean())
 
 
+def global_layers(config) -> list[int]:
+    """Layers attending to the whole context (the compact tier's); Gemma 3's sliding layers are not."""
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return [i for i, t in enumerate(types) if t != "sliding_attention"]
+
+
 def compact_label(r: Row) -> str:
     if not r.compact:
         return "-"
@@ -302,14 +316,18 @@ class OpRun:
     compact_scales), the block table, the call's positions."""
     pools: list = []
     table = None
+    plain_table = None
     positions = None
     layout = None
 
 
-def op_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def op_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                 **kwargs):
     from toolkit.compiler import op_scalar_args
 
     lay, d = OpRun.layout, query.shape[-1]
+    window = sliding_window or 0  # a sliding layer reads its own blocks (never compact), within its window
+    table = OpRun.plain_table if window else OpRun.table
     scale = scaling if scaling is not None else d ** -0.5
     codes, scales, stage, ccodes, cscales = OpRun.pools[module.layer_idx]
     c = lay.compact
@@ -317,8 +335,8 @@ def op_attention(module, query, key, value, attention_mask, scaling=None, dropou
     t = OpRun.positions.numel()
     out = torch.ops.pagedkv.quantized_paged_attention_mixed(
         query, key, value, codes, scales, stage, ccodes, cscales, OpRun.positions, torch.zeros(t, dtype=torch.int64),
-        OpRun.table[None], torch.full((query.shape[1],), float("-inf")),
-        *op_scalar_args(lay.spec, d, module.layer_idx, scale, 0, 0.0), c.k_bits, c.v_bits, ckg, cvg, c.k_sym, c.v_sym)
+        table[None], torch.full((query.shape[1],), float("-inf")),
+        *op_scalar_args(lay.spec, d, module.layer_idx, scale, window, 0.0), c.k_bits, c.v_bits, ckg, cvg, c.k_sym, c.v_sym)
     return out.to(query.dtype), None
 
 
@@ -339,6 +357,8 @@ def check_mixed_op(model, ids: torch.Tensor, row: Row, n: int, horizon: int, ste
     OpRun.layout = lay
     OpRun.pools = [(*lay.allocate_layer(), *lay.allocate_compact_layer()) for _ in range(dims.num_layers)]
     OpRun.table = torch.arange(nb)
+    OpRun.plain_table = torch.arange(nb)  # sliding layers' table: their blocks stay where they are
+    glob = global_layers(model.config)
     AttentionInterface.register(ATTN_NAME + "_op", op_attention)
     model.set_attn_implementation(ATTN_NAME + "_op")
     w, logits, used = ids[:n], [], 0
@@ -346,7 +366,7 @@ def check_mixed_op(model, ids: torch.Tensor, row: Row, n: int, horizon: int, ste
         for a in range(0, n, step):
             for b in range(Mode.default.sink_blocks, nb):  # between steps: convert what passed the horizon
                 if (b + 1) * bs <= a - horizon and OpRun.table[b] < nb:
-                    for layer in OpRun.pools:
+                    for layer in (OpRun.pools[i] for i in glob):
                         compact_block(layer[0], layer[1], layer[3], layer[4], int(OpRun.table[b]), used,
                                       Mode.default, row.spec, dims.head_dim)
                     OpRun.table[b] = nb + used
@@ -431,6 +451,8 @@ def main(argv=None) -> int:
     report = {
         "model": args.model, "text": args.text.name, "ctx": args.ctx, "horizon": args.horizon, "step": args.step,
         "block_size": args.block_size, "default_spec": default.describe(), "torch_threads": args.threads,
+        "compact_layers": f"{len(global_layers(model.config))} of {dims.num_layers} (the global ones; sliding layers "
+                          "keep their window in the default spec; bytes_per_token_vs_fp16 is a global layer's)",
         "cpu": cpu_model(),
         "method": "one teacher-forced window from the start; the query at p reads in the compact spec the blocks "
                   "(never the sink block or its own) whose last token was >= horizon behind the newest token held "

@@ -15,6 +15,10 @@ context the first `ctx` tokens of wikitext-2 (test) are prefilled in chunks of 6
   prefill    the same tokens prefilled again into an empty conversation (what a restart costs without a file)
 
 and the next token's logits after the restore must equal those after the re-prefill bit for bit.
+With --compact-artifacts (an export with a compact region) a second row does the same with the
+conversation compacted before the save (runtime_sim.compact.compact_aged, blocks older than
+--compact-horizon re-quantized to the compact spec): the file holds those blocks as compact records;
+its re-prefill is compacted the same way (compact_s, not in prefill_s) before the logits are compared.
 
 llama.cpp (llama-cpp-python==0.3.36, built for this CPU's instruction set by benchmarks/llamacpp_peer.py,
 on the GGUF the same model comes from): the same tokens evaluated with an f16 (and a q8_0/q4_0) KV
@@ -84,15 +88,29 @@ def log(msg: str) -> None:
     print(f"[save_restore {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def run_ours(art: Path, ids: list[int], ctx: int, threads: int, repeats: int, tmp: Path) -> dict:
+def run_ours(art: Path, ids: list[int], ctx: int, threads: int, repeats: int, tmp: Path,
+             horizon: int | None = None) -> dict:
+    """horizon: compact the conversation before saving it (runtime_sim.compact.compact_aged: every block
+    ending at least `horizon` tokens back, into the export's compact region), as the adaptive policy would
+    have; the re-prefilled conversation is compacted the same way (timed apart) before its logits are compared."""
     import numpy as np
 
+    from runtime_sim.compact import compact_aged
     from runtime_sim.session import open_artifacts
 
     engine = open_artifacts(art, "onnxruntime", native=True, threads=threads, prefill_chunk=64)
     prompt, nxt = ids[:ctx], [ids[ctx]]
     conv = engine.new_conversation()
     engine.prefill(conv, prompt)  # warm-up prefill (first-call allocations), not timed
+    compacted, compact_s = [], []
+
+    def compact(c):
+        if horizon is not None:
+            t0 = time.perf_counter()
+            compacted.append(len(compact_aged(engine, c, horizon)))
+            compact_s.append(time.perf_counter() - t0)
+
+    compact(conv)
     path = tmp / f"ours-{ctx}.pkvc"
     saves, restores, prefills, equal = [], [], [], []
     for rep in range(repeats):
@@ -109,16 +127,23 @@ def run_ours(art: Path, ids: list[int], ctx: int, threads: int, repeats: int, tm
         t0 = time.perf_counter()
         engine.prefill(conv, prompt)
         prefills.append(time.perf_counter() - t0)
+        compact(conv)
         reprefilled = engine.step({conv: nxt})[conv]
         equal.append(bool(np.array_equal(restored, reprefilled)))
         if rep < repeats - 1:
             engine.clear(conv)
             engine.prefill(conv, prompt)  # the conversation to save next time: exactly `ctx` tokens
+            compact(conv)
     lay = engine.backend.layout
-    return {"file_bytes": size, "save_s": saves, "restore_s": restores, "prefill_s": prefills,
-            "logits_equal": equal, "kv_bytes_in_use": engine.stats()["kv_bytes_in_use"],
-            "bytes_per_token": lay.bytes_per_token, "stage_bytes": lay.stage_bytes_per_sequence,
-            "kernel_isa": os.environ.get("PAGEDKV_ISA", "auto")}
+    out = {"file_bytes": size, "save_s": saves, "restore_s": restores, "prefill_s": prefills,
+           "logits_equal": equal, "kv_bytes_in_use": engine.stats()["kv_bytes_in_use"],
+           "bytes_per_token": lay.bytes_per_token, "stage_bytes": lay.stage_bytes_per_sequence,
+           "kernel_isa": os.environ.get("PAGEDKV_ISA", "auto"), "artifacts": str(art),
+           "onnx_weights": engine.manifest.get("artifacts", {}).get("onnx", {}).get("weights", "fp32")}
+    if horizon is not None:
+        out.update({"compact_horizon": horizon, "compacted_blocks": compacted, "compact_s": compact_s,
+                    "compact_spec": lay.compact.describe(), "compact_bytes_per_token": lay.compact_bytes_per_token})
+    return out
 
 
 def run_llamacpp(venv: Path, gguf: str, ids_file: Path, ctx: int, threads: int, repeats: int, kv: str,
@@ -148,6 +173,12 @@ def main(argv=None) -> int:
                     help="default ~/.cache/pagedkv/llamacpp-<isa>-venv (benchmarks/llamacpp_peer.py)")
     ap.add_argument("--artifacts", type=Path, default=None,
                     help="a SmolLM2 onnx-int4 artifacts dir to use (default: the e2e benchmark's, exported once)")
+    ap.add_argument("--llamacpp-kv", nargs="+", default=["f16/f16", "q8_0/q4_0"], choices=["f16/f16", "q8_0/q4_0"],
+                    help="llama.cpp KV cache types to run (default both; q8_0/q4_0 prefills ~5x slower here)")
+    ap.add_argument("--compact-artifacts", type=Path, default=None,
+                    help="a SmolLM2 onnx export with a compact region (pagedkv export --compact-blocks N): adds a "
+                         "row whose conversation is compacted (blocks older than --compact-horizon) before the save")
+    ap.add_argument("--compact-horizon", type=int, default=1024)
     ap.add_argument("--dir", type=Path, default=None, help="where the files are written (default: a temp dir)")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "save_restore.json")
     args = ap.parse_args(argv)
@@ -173,40 +204,52 @@ def main(argv=None) -> int:
         for ctx in args.ctx:
             log(f"ctx {ctx}: ours")
             row = {"ctx": ctx, "ours": run_ours(Path(art["dir"]), ids, ctx, args.threads, args.repeats, tmp)}
-            for kv in (["f16/f16", "q8_0/q4_0"] if llama_ok else []):
+            (tmp / f"ours-{ctx}.pkvc").unlink(missing_ok=True)
+            if args.compact_artifacts:
+                log(f"ctx {ctx}: ours, compacted (horizon {args.compact_horizon})")
+                row["ours_compacted"] = run_ours(args.compact_artifacts, ids, ctx, args.threads, args.repeats, tmp,
+                                                 horizon=args.compact_horizon)
+            for kv in (args.llamacpp_kv if llama_ok else []):
                 log(f"ctx {ctx}: llama.cpp {kv}")
                 row[f"llamacpp_{kv.replace('/', '_')}"] = run_llamacpp(args.llamacpp_venv, gguf, ids_file, ctx,
                                                                        args.threads, args.repeats, kv, tmp)
             rows.append(row)
             (tmp / f"ours-{ctx}.pkvc").unlink(missing_ok=True)
+            args.json.parent.mkdir(parents=True, exist_ok=True)  # what is measured so far (a long run)
+            args.json.with_suffix(".partial.json").write_text(json.dumps(rows, indent=1))
 
-    lines = ["| ctx | our file | save | restore | re-prefill | restore speed-up | logits equal | llama.cpp f16 "
+    lines = ["| ctx | ours | our file | save | restore | re-prefill | restore speed-up | logits equal | llama.cpp f16 "
              "state file | ours / f16 | llama.cpp f16 save / load | llama.cpp q8_0/q4_0 file |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     targets = []
+    mb = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     for r in rows:
-        o = r["ours"]
-        speed = med(o["prefill_s"]) / med(o["restore_s"])
         f16, q = r.get("llamacpp_f16_f16", {}), r.get("llamacpp_q8_0_q4_0", {})
-        ratio = o["file_bytes"] / f16["file_bytes"] if f16.get("ok") else None
-        r["summary"] = {"save_s": med(o["save_s"]), "restore_s": med(o["restore_s"]), "prefill_s": med(o["prefill_s"]),
-                        "restore_speedup": speed, "file_vs_llamacpp_f16": ratio}
-        mb = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
-        lines.append(
-            f"| {r['ctx']} | {mb(o['file_bytes'])} | {med(o['save_s']) * 1e3:.0f} ms | {med(o['restore_s']) * 1e3:.0f} ms "
-            f"| {med(o['prefill_s']):.2f} s | {speed:.0f}x | {all(o['logits_equal'])} | "
-            + (f"{mb(f16['file_bytes'])} | {ratio:.2f}x | {med(f16['save_s']) * 1e3:.0f} / "
-               f"{med(f16['restore_s']) * 1e3:.0f} ms | " if f16.get("ok") else "- | - | - | ")
-            + (f"{mb(q['file_bytes'])} |" if q.get("ok") else "- |"))
-        if r["ctx"] == 8192:
-            targets.append(f"restore at 8K {speed:.0f}x faster than re-prefill (target >= 20x): "
-                           f"{'met' if speed >= 20 else 'NOT met'}")
-        if ratio is not None:
-            targets.append(f"file at {r['ctx']} = {ratio:.3f}x llama.cpp's f16 state file (target <= 0.45x): "
-                           f"{'met' if ratio <= 0.45 else 'NOT met'}")
+        for key in ("ours", "ours_compacted"):
+            if key not in r:
+                continue
+            o = r[key]
+            label = "default" if key == "ours" else f"compacted (older than {o['compact_horizon']})"
+            speed = med(o["prefill_s"]) / med(o["restore_s"])
+            ratio = o["file_bytes"] / f16["file_bytes"] if f16.get("ok") else None
+            r["summary" if key == "ours" else "summary_compacted"] = {
+                "save_s": med(o["save_s"]), "restore_s": med(o["restore_s"]), "prefill_s": med(o["prefill_s"]),
+                "restore_speedup": speed, "file_vs_llamacpp_f16": ratio}
+            lines.append(
+                f"| {r['ctx']} | {label} | {mb(o['file_bytes'])} | {med(o['save_s']) * 1e3:.0f} ms | "
+                f"{med(o['restore_s']) * 1e3:.0f} ms | {med(o['prefill_s']):.2f} s | {speed:.0f}x | {all(o['logits_equal'])} | "
+                + (f"{mb(f16['file_bytes'])} | {ratio:.3f}x | {med(f16['save_s']) * 1e3:.0f} / "
+                   f"{med(f16['restore_s']) * 1e3:.0f} ms | " if f16.get("ok") else "- | - | - | ")
+                + (f"{mb(q['file_bytes'])} |" if q.get("ok") else "- |"))
+            if r["ctx"] == 8192:
+                targets.append(f"{label}: restore at 8K {speed:.0f}x faster than re-prefill (target >= 20x): "
+                               f"{'met' if speed >= 20 else 'NOT met'}")
+            if ratio is not None:
+                targets.append(f"{label}: file at {r['ctx']} = {ratio:.3f}x llama.cpp's f16 state file (target <= "
+                               f"0.45x): {'met' if ratio <= 0.45 else 'NOT met'}")
     print("\n".join(lines + [""] + targets))
     out = {"benchmark": "save_restore", "model": "SmolLM2-135M-Instruct", "spec": "default",
-           "ours": "onnxruntime, int4 MatMulNBits weights, native pagedkv kernel", "threads": args.threads,
+           "ours": "onnxruntime, native pagedkv kernel (each row's onnx_weights: int4 MatMulNBits or fp32)", "threads": args.threads,
            "repeats": args.repeats, "cpu": platform.processor() or platform.machine(),
            "cpu_model": cpu_model(),
            "llama_cpp": llama_version, "llamacpp_build": build_flags() if llama_ok else None, "rows": rows, "targets": targets,
