@@ -1,6 +1,7 @@
 """The compact tier in the engine (issue 25): a conversation's aged blocks re-quantized in place.
 
-    moved = compact_aged(engine, cid, horizon=1024)
+    moved = compact_aged(engine, cid, horizon=1024)            # every aged block (while the region has room)
+    moved = compact_aged(engine, cid, horizon=1024, limit=3)   # the 3 oldest only (the ladder: what a turn needs)
 
 Blocks of the global layer group that lie wholly before the last `horizon` tokens are moved, oldest
 first, into free blocks of the pool's compact region (compile(..., compact_blocks=N)): the records are
@@ -27,12 +28,16 @@ def aged_blocks(pool, seq: int, horizon: int, first: int = 1) -> list[int]:
             if table[i] != HOLE and table[i] < pool.num_blocks and pool.refcount(table[i]) == 1]
 
 
-def compact_aged(engine, cid: int, horizon: int) -> list[tuple[int, int, int]]:
-    """Move conversation cid's aged blocks to the compact region while it has free blocks. Returns
-    (logical block, default id, compact id) of each block moved (ids as in the block table)."""
+def compact_aged(engine, cid: int, horizon: int, limit: int | None = None) -> list[tuple[int, int, int]]:
+    """Move conversation cid's aged blocks, oldest first, to the compact region while it has free blocks:
+    all of them, or at most `limit` (the adaptive policy's compact rung asks for the blocks its turn is
+    short of, so no block loses bits before it must). Returns (logical block, default id, compact id) of
+    each block moved (ids as in the block table)."""
     if not isinstance(horizon, int) or horizon < 1:
         raise PagedKVError(f"horizon {horizon!r} is invalid: give the number of recent tokens kept in the "
                            "default region (>= 1).")
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise PagedKVError(f"limit {limit!r} is invalid: give the most blocks to move (>= 1), or None for all.")
     lay = engine.backend.layout
     pool = engine.pool.main
     if not pool.num_compact_blocks or engine.groups[0].window:
@@ -48,7 +53,7 @@ def compact_aged(engine, cid: int, horizon: int) -> list[tuple[int, int, int]]:
     n = pool.num_blocks
     moved = []
     for i in aged_blocks(pool, conv.seq, horizon, first=max(1, lay.spec.sink_blocks)):
-        if not pool.num_free_compact_blocks:
+        if not pool.num_free_compact_blocks or (limit is not None and len(moved) >= limit):
             break
         src, dst = pool.compact(conv.seq, i)
         engine.backend.compact_block(src, dst - n)

@@ -115,8 +115,8 @@ class Engine:
     - "adaptive": a ladder, no token lost before its last rung. On a model compiled with a compact
       region (compile(..., compact_blocks=N)) and a backend that can re-quantize (compact_block), the
       first rung compacts: blocks ending at least `compact_horizon` tokens back are moved into the
-      compact region (runtime_sim/compact.py; fewer bits, the tokens stay), idle conversations least
-      recently used first, then the active ones. Then idle conversations are spilled to flash, least
+      compact region (runtime_sim/compact.py; fewer bits, the tokens stay), oldest first and only as
+      many as the step is short of, idle conversations least recently used first, then the active ones. Then idle conversations are spilled to flash, least
       recently used first, compacted or not: written with the conversation file writer
       (runtime_sim/conversation_file.py; compact blocks as their compact records) into `spill_dir`
       (default: a temp dir the engine owns and removes), their slot and blocks (default and compact)
@@ -245,7 +245,8 @@ class Engine:
             if self.policy == "evict" and self._evict_one(active):
                 continue
             if compact:
-                if 0 in short and self._compact_one(items):  # compaction frees blocks of the global group only
+                # compaction frees blocks of the global group only, as many as it is short of
+                if 0 in short and self._compact_one(items, sum(n[0] for n in needs) - frees[0]):
                     continue
                 compact = False  # nothing more is old enough, or the compact region is full: next rung
             if spill:
@@ -301,9 +302,10 @@ class Engine:
         return (bool(self.pool.main.num_compact_blocks) and not self.groups[0].window
                 and hasattr(self.backend, "compact_block"))
 
-    def _compact_one(self, items: list[tuple[Conversation, list[int]]]) -> bool:
-        """Compact the aged blocks of one conversation: the least recently used idle resident one that
-        has any, else one of the items (the conversations about to be written). False if none moved."""
+    def _compact_one(self, items: list[tuple[Conversation, list[int]]], limit: int | None = None) -> bool:
+        """Compact the oldest aged blocks (at most `limit`: what the step is short of) of one conversation:
+        the least recently used idle resident one that has any, else one of the items (the conversations
+        about to be written). False if none moved; _make_room asks again while it is still short."""
         from runtime_sim.compact import compact_aged
 
         if not self.pool.main.num_free_compact_blocks:
@@ -313,7 +315,7 @@ class Engine:
                       key=lambda c: c.last_used)
         by_obj = {id(c): cid for cid, c in self.conversations.items()}
         for conv in idle + active:
-            moved = compact_aged(self, by_obj[id(conv)], self.compact_horizon)
+            moved = compact_aged(self, by_obj[id(conv)], self.compact_horizon, limit)
             if moved:
                 self.counters.compactions += 1
                 self.counters.compacted_blocks += len(moved)

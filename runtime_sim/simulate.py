@@ -43,7 +43,8 @@ engine's pool policies (runtime_sim/engine.py) instead of failing when it is ful
   block and its last `compact_horizon` tokens, and the largest turn the trace makes), the rest compact;
   a number is the fraction of the pool bytes in the compact region. First the aged
   blocks (ending at least `compact_horizon` tokens back; never the sink block or the last token's block)
-  of idle chats, least recently used first, then of the active chat move to the compact region; then
+  of idle chats, least recently used first, then of the active chat move to the compact region, oldest
+  first and only as many as the turn is short of; then
   idle chats are spilled; last, the active chat slides. Compaction loses no token; its cost is
   fidelity, measured by benchmarks/compact_tier.py (BENCHMARKS.md "The compact tier").
 A chat that is spilled still holds its tokens (tokens_held counts them); an evicted one does not.
@@ -585,34 +586,35 @@ class PagedPressure(Paged):
         compact = sum(1 for b in table if self._is_compact(b))
         return default * self.block_bytes + compact * self.compact_block_bytes + self.layout.stage_bytes_per_sequence
 
-    def _compact_aged(self, conv: int) -> int:
-        """The engine's choice of blocks (runtime_sim.compact.aged_blocks), moved while compact blocks are free."""
+    def _compact_aged(self, conv: int, limit: int | None = None) -> int:
+        """The engine's choice of blocks (runtime_sim.compact.aged_blocks), oldest first, moved while compact
+        blocks are free, at most `limit` (None: all)."""
         from runtime_sim.compact import aged_blocks
 
         seq = self.seqs[conv]
         moved = 0
         for i in aged_blocks(self.pool, seq, self.cfg.compact_horizon):
-            if not self.pool.num_free_compact_blocks:
+            if not self.pool.num_free_compact_blocks or (limit is not None and moved >= limit):
                 break
             self.pool.compact(seq, i)
             moved += 1
         return moved
 
-    def _compact_one(self, active: int) -> bool:
-        """The compact rung: the aged blocks of the least recently used idle chat that has any, else the
-        active chat's."""
+    def _compact_one(self, active: int, short: int) -> bool:
+        """The compact rung: the oldest aged blocks, as many as the turn is `short` of, of the least recently
+        used idle chat that has any, else the active chat's (the engine's Engine._compact_one)."""
         order = sorted((c for c in self.seqs if c != active), key=lambda c: self.last_used.get(c, 0)) + [active]
         for conv in order:
-            moved = self._compact_aged(conv)
+            moved = self._compact_aged(conv, short)
             if moved:
                 self.counts["compactions"] += 1
                 self.counts["compacted_blocks"] += moved
                 return True
         return False
 
-    def _relieve(self, active: int) -> bool:
-        """One rung of the policy; False when nothing more can be freed."""
-        if self.mode == "compact" and self.pool.num_free_compact_blocks and self._compact_one(active):
+    def _relieve(self, active: int, short: int = 1) -> bool:
+        """One rung of the policy (short: the default blocks the turn lacks); False when nothing more can be freed."""
+        if self.mode == "compact" and self.pool.num_free_compact_blocks and self._compact_one(active, short):
             return True
         idle = [c for c, seq in self.seqs.items() if c != active and self.pool.length(seq) > 0]
         victim = min(idle, key=lambda c: self.last_used.get(c, 0)) if idle else None
@@ -654,8 +656,8 @@ class PagedPressure(Paged):
         while True:
             try:
                 return self._admit(self.seqs[conv], n)
-            except PoolExhausted:
-                if not self._relieve(conv):
+            except PoolExhausted as e:
+                if not self._relieve(conv, max(1, e.requested_blocks - e.free_blocks)):
                     raise
 
     def _restore(self, conv: int) -> None:

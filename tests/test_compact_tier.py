@@ -501,6 +501,31 @@ def test_compact_aged_leaves_shared_blocks():
     assert e.pool.num_free_blocks == 16 and e.pool.main.num_free_compact_blocks == 4
 
 
+def test_compact_aged_limit_moves_the_oldest_blocks_only():
+    """compact_aged(..., limit=k): the k oldest aged blocks, the same records as moving all of them would
+    give those blocks; the rest stay default until asked for (the ladder's rung moves what a turn needs)."""
+    from runtime_sim.compact import compact_aged
+
+    prompt = [(7 * i + 3) % 500 + 3 for i in range(90)]  # blocks 0..5; aged at horizon 16: 1..3 (0 is the sink)
+    e, full = _compact_engine(), _compact_engine()
+    c, f = e.new_conversation(), full.new_conversation()
+    e.prefill(c, prompt)
+    full.prefill(f, prompt)
+    with pytest.raises(PagedKVError, match="limit"):
+        compact_aged(e, c, 16, limit=0)
+    assert [i for i, _, _ in compact_aged(e, c, 16, limit=2)] == [1, 2]
+    seq = e.conversations[c].seq
+    n = e.pool.main.num_blocks
+    assert [i for i, b in enumerate(e.pool.block_table(seq)) if b >= n] == [1, 2]
+    e.check_invariants()
+    assert [i for i, _, _ in compact_aged(full, f, 16)] == [1, 2, 3]  # no limit: every aged block
+    cp, fp = e.backend.paged.compact_pool_tensors(), full.backend.paged.compact_pool_tensors()
+    assert cp and cp.keys() == fp.keys()
+    for layer, (cc, cs) in cp.items():  # compact ids 0, 1 hold blocks 1, 2 in both (the same seeded model)
+        assert torch.equal(cc[:2], fp[layer][0][:2]) and torch.equal(cs[:2], fp[layer][1][:2])
+    assert [i for i, _, _ in compact_aged(e, c, 16, limit=5)] == [3]  # what is left, however many asked
+
+
 def test_compact_aged_errors():
     from runtime_sim.backends import TorchBackend
     from runtime_sim.compact import compact_aged

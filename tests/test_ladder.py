@@ -367,8 +367,9 @@ def test_ladder_state_machine_with_the_compact_rung():
 
 
 def test_compact_rung_comes_before_spill_and_slide(tmp_path):
-    """10 default + 6 compact blocks, horizon 16: a new chat that needs blocks first compacts the idle
-    chats' aged blocks (LRU first; nothing spilled or slid while that suffices), a chat never compacted
+    """10 default + 6 compact blocks, horizon 16: a new chat that needs blocks first compacts idle chats'
+    aged blocks, oldest first and only as many as it is short of (LRU chat first; nothing spilled or slid
+    while that suffices), a chat never compacted
     gives the logits of a run without pressure bit for bit, and every chat keeps generating. Once the
     compact region is full, the least recently used idle chat (compacted) is spilled with its compact
     records, freeing blocks of both regions; nothing is evicted or slid, and its next turn maps it back
@@ -396,19 +397,22 @@ def test_compact_rung_comes_before_spill_and_slide(tmp_path):
     assert all(x < n for x in table(e, b) + table(e, c))
     e.check_invariants()
 
-    # (b) c decodes into a 4th block: a has nothing more old enough, so b (next LRU idle) is compacted
+    # (b) c decodes into a 4th block: a has nothing more old enough, so b (next LRU idle) gives the one
+    # block c is short of, its oldest aged one (1 of its 3 aged blocks: no block loses bits before it must)
     for t in range(9):  # c: 40 -> 49 tokens, its 4th block from token 48 on
         step_both(e, c, r, rc, [60 + t])
         e.check_invariants()
     s = e.stats()["ladder"]
-    assert (s["compactions"], s["compacted_blocks"], s["spills"], s["slides"]) == (2, 6, 0, 0)
-    assert [i for i, x in enumerate(table(e, b)) if x >= n] == [1, 2, 3]
+    assert (s["compactions"], s["compacted_blocks"], s["spills"], s["slides"]) == (2, 4, 0, 0)
+    assert [i for i, x in enumerate(table(e, b)) if x >= n] == [1]
     assert np.array_equal(e.step({c: [70]})[c], r.step({rc: [70]})[rc])  # c, never compacted: same bits
 
-    # compacted chats go on generating (their own greedy tokens; the compact blocks are read)
-    for cid in (a, b):
+    # compacted chats go on generating (their own greedy tokens; the compact blocks are read); each needs
+    # one more block, which the least recently used idle chat gives: b its block 2, then c its block 1
+    for cid, (victim, blocks) in ((a, (b, [1, 2])), (b, (c, [1]))):
         out = list(e.generate(cid, [12], 5))
         assert len(out) == 5 and all(0 <= t < 512 for t in out)
+        assert [i for i, x in enumerate(table(e, victim)) if x >= n] == blocks
         e.check_invariants()
 
     # compact region full (6/6): the next shortage cannot compact, so a (the least recently used idle
