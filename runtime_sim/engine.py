@@ -116,7 +116,8 @@ class Engine:
       region (compile(..., compact_blocks=N)) and a backend that can re-quantize (compact_block), the
       first rung compacts: blocks ending at least `compact_horizon` tokens back are moved into the
       compact region (runtime_sim/compact.py; fewer bits, the tokens stay), oldest first and only as
-      many as the step is short of, idle conversations least recently used first, then the active ones. Then idle conversations are spilled to flash, least
+      many as the step is short of, idle conversations least recently used first, then the active
+      ones. Then idle conversations are spilled to flash, least
       recently used first, compacted or not: written with the conversation file writer
       (runtime_sim/conversation_file.py; compact blocks as their compact records) into `spill_dir`
       (default: a temp dir the engine owns and removes), their slot and blocks (default and compact)
