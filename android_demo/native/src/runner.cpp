@@ -780,12 +780,15 @@ struct Runner::Impl {
     if (module->load_method("forward", planned.get()) != et::Error::Ok)
       throw RunnerError(ErrorCode::kModel, "ExecuTorch could not load method 'forward' of " + pte +
                                                " (missing kernel? the pagedkv kernels are linked into this runner)");
-    // commit what the budget allows: activations, non-block tensors, blocks < limit. After loading the
-    // method (which writes nothing there): the load's own transient peak (XNNPACK packing the weights
-    // from the .pte's mapped pages) then does not stack on the pool's pages (issue 23)
-    for (size_t i = 0; cfg.prefault && i < nbuf; ++i) {
+    // commit what the budget allows: non-block tensors, blocks < limit. After loading the method (which
+    // writes nothing there): the load's own transient peak (XNNPACK packing the weights from the .pte's
+    // mapped pages) then does not stack on the pool's pages (issue 23). Not the activations arena: its
+    // plan is laid out for max_tokens_per_call tokens, and a call of fewer tokens (a smaller
+    // prefill_chunk, a decode step) writes only the first part of each tensor's slot; pages never
+    // written are never resident
+    for (size_t i = 1; cfg.prefault && i < nbuf; ++i) {
       Arena& arena = *arenas[i];
-      if (i == 0 || !per_layer_arenas() || layer_group[i - 1] != 0) {
+      if (!per_layer_arenas() || layer_group[i - 1] != 0) {
         std::memset(arena.ptr, 0, arena.size);
       } else {
         const size_t codes = static_cast<size_t>(codes_bytes_of_layer(static_cast<int>(i - 1)));

@@ -42,6 +42,7 @@ namespace {
 
 const char* kUsage =
     "usage: pagedkv-runner ARTIFACTS --prompt-file F --ctx N --decode N [--threads N] [--budget-mb M] "
+    "[--prefill-chunk N] "
     "[--isa NAME] [--json] [--restore FILE] [--save FILE]";
 
 int64_t parse_int(const std::string& flag, const char* v, int64_t lo) {
@@ -98,6 +99,7 @@ int main(int argc, char** argv) {
   std::string art, prompt_file, isa, save_path, restore_path;
   int64_t ctx = -1, decode = -1, threads = 0, budget_mb = 0;
   bool json = false;
+  int64_t prefill_chunk = 0;  // tokens per prefill call (RunnerConfig::prefill_chunk; 0: the .pte's maximum)
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto value = [&]() -> const char* {
@@ -109,6 +111,7 @@ int main(int argc, char** argv) {
     else if (a == "--decode") decode = parse_int(a, value(), 1);
     else if (a == "--threads") threads = parse_int(a, value(), 0);
     else if (a == "--budget-mb") budget_mb = parse_int(a, value(), 0);
+    else if (a == "--prefill-chunk") prefill_chunk = parse_int(a, value(), 1);
     else if (a == "--isa") isa = value();
     else if (a == "--json") json = true;
     else if (a == "--save") save_path = value();
@@ -133,6 +136,7 @@ int main(int argc, char** argv) {
     cfg.artifacts_dir = art;
     cfg.pool_budget_bytes = budget_mb << 20;
     cfg.num_threads = static_cast<int>(threads);
+    cfg.prefill_chunk = static_cast<int>(prefill_chunk);
     cfg.isa = isa;
     const double t_load = now_s();
     Runner r(cfg);
