@@ -201,6 +201,8 @@ def run_one(name: str, ctx: int, args, ids_file: Path, arts: dict, gguf: str, ll
         budget = runner_budget_mb(arts[s["art"]], ctx, args.decode)
         cmd = [str(args.runner), arts[s["art"]], "--prompt-file", str(args.text), "--ctx", str(ctx), "--decode",
                str(args.decode), "--threads", str(args.threads), "--budget-mb", str(budget), "--json"]
+        if args.prefill_chunk:
+            cmd += ["--prefill-chunk", str(args.prefill_chunk)]
     else:
         py = str(llama_py) if s["kind"] == "llamacpp" else sys.executable
         cmd = [py, str(HERE), "--worker", s["kind"], "--ids", str(ids_file), "--ctx", str(ctx), "--decode",
@@ -377,6 +379,8 @@ def main(argv=None) -> int:
                     help="keep the runs of an interrupted run's --json .partial.json and measure only the rest")
     ap.add_argument("--runner", type=Path, default=RUNNER_CLI,
                     help="the pagedkv-runner binary of the runner-* systems (default build/android-host/pagedkv-runner)")
+    ap.add_argument("--prefill-chunk", type=int, default=0,
+                    help="tokens per prefill call of the runner-* rows (default 0: the .pte's max_tokens_per_call)")
     ap.add_argument("--reexport", action="store_true", help="export the artifacts again (after exporter changes)")
     ap.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
                     help="measure nothing: combine the rows of earlier --json files (runs split by system) into "
@@ -480,7 +484,7 @@ def main(argv=None) -> int:
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "pagedkv_kernel_path": kernel_isa,
                     "llamacpp_build": build_flags() if llama_version else None},
         "versions": {"llama-cpp-python": llama_version},
-        "runner": str(args.runner),
+        "runner": str(args.runner), "prefill_chunk": args.prefill_chunk,
         "command": "python benchmarks/device.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_seconds": round(time.time() - wall0, 1),
         "exports": exports, "rows": rows, "failures": failures,
