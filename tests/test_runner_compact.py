@@ -3,11 +3,11 @@
 The program's global layers call pagedkv::quantized_paged_attention_mixed and take the compact region
 as inputs (compact_codes_L, compact_scales_L after the block tables, before logits_rows) that ExecuTorch
 does not memory-plan: the runner allocates them once from the manifest and passes them in every call.
-Nothing compacts in the runner yet (no block table names a compact block), so on the tiny llama
-(default spec, 4 compact blocks) its greedy tokens equal runtime_sim's ExecuTorch backend on the same
-artifact, which passes its own compact arrays; the region is counted in the pool's bytes (the budget
-formula is toolkit.pool_layout's); a manifest whose compact region is bad, or that disagrees with the
-program, is one line and exit 2.
+With policy error (the default) nothing compacts, so on the tiny llama (default spec, 4 compact blocks)
+its greedy tokens equal runtime_sim's ExecuTorch backend on the same artifact, which passes its own
+compact arrays; the region is counted in the pool's bytes (the budget formula is toolkit.pool_layout's);
+a manifest whose compact region is bad, or that disagrees with the program, is one line and exit 2.
+The runner's compact tier at work (the adaptive ladder, compacted save/restore) is tests/test_runner_ladder.py.
 """
 
 from __future__ import annotations

@@ -382,8 +382,8 @@ void check_conversation_compatible(const ConversationFile& f, const Conversation
     if (want.compact_spec.none())
       fail(where, "holds " + std::to_string(nc) + " block(s) in the compact tier (re-quantized to " +
                       f.compact_spec.describe() + "), this pool has no compact region",
-           "restore it with pagedkv's engine on a model compiled with compact_blocks=N (the Android runner has "
-           "no compact tier yet), or save it before compacting");
+           "restore it with artifacts exported with a compact region (`pagedkv export --compact-blocks N`; "
+           "pagedkv's engine: a model compiled with compact_blocks=N), or save it before compacting");
     if (!(f.compact_spec == want.compact_spec) || f.compact_code_bytes != want.compact_code_bytes ||
         f.compact_scale_bytes != want.compact_scale_bytes)
       fail(where, "holds compact blocks in spec " + f.compact_spec.describe() + ", this pool's compact region is " +

@@ -50,7 +50,7 @@ struct ConversationFile {
   std::vector<ConvGroup> groups;
   std::string app;  // the application's own bytes (pagedkv chat: its messages as JSON)
   // the compact tier (v2): the compact blocks' spec and record sizes, all zero when the file holds none
-  // (in a pool description: the pool's compact region, zero without one; the Android runner has none)
+  // (in a pool description: the pool's compact region, zero without one)
   ConvSpec compact_spec;
   uint32_t compact_code_bytes = 0, compact_scale_bytes = 0;
   // per layer: its group's default blocks in logical order, [n_present, Hkv, bs, code_bytes] and

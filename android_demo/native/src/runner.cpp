@@ -76,6 +76,24 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// A JSON string literal (the chat messages in a conversation file's app bytes).
+std::string json_quote(const std::string& s) {
+  std::string o = "\"";
+  for (unsigned char ch : s) {
+    if (ch == '"' || ch == '\\') {
+      o += '\\';
+      o += static_cast<char>(ch);
+    } else if (ch < 0x20) {
+      char b[8];
+      std::snprintf(b, sizeof b, "\\u%04x", ch);
+      o += b;
+    } else {
+      o += static_cast<char>(ch);
+    }
+  }
+  return o + "\"";
+}
+
 }  // namespace
 
 struct Runner::Impl {
@@ -99,8 +117,8 @@ struct Runner::Impl {
   // compact_*_shape, and the .pte's compact_codes_L / compact_scales_L inputs of the global group's layers
   // (after the block tables, before logits_rows, in the order the manifest's input names give). The
   // program reads them in place (inputs it does not memory-plan): this runner's memory, one mapping
-  // allocated and zeroed at startup, passed in every call. No block table names them yet (the block
-  // manager hands out default blocks only), so the program's output is the default op's.
+  // allocated and zeroed at startup, passed in every call. The block manager's compact region (ids from
+  // num_blocks) names its blocks; compact_aged fills them (requantize_records), save/restore carry them.
   struct CompactInput {
     int layer = 0;
     bool scales = false;        // compact_scales_L (float16) or compact_codes_L (uint8)
@@ -112,6 +130,9 @@ struct Runner::Impl {
   std::vector<CompactInput> compact_inputs;
   std::unique_ptr<Arena> compact_mem;
   std::vector<executorch::extension::TensorPtr> compact_tensors;  // views of compact_mem, input order
+  ConvSpec compact_conv_spec;         // the manifest's compact spec (a conversation file's compact_spec)
+  RecordBits spec_bits, compact_bits;  // what re-quantization reads and writes
+  std::vector<std::pair<int, int>> compact_of_layer;  // layer -> its (codes, scales) in compact_inputs; -1: none
   // memory
   std::vector<std::unique_ptr<Arena>> arenas;  // index i = memory id i + 1 (0: activations)
   std::vector<et::Span<uint8_t>> spans;
@@ -128,10 +149,15 @@ struct Runner::Impl {
   int budget_limit = 0;  // usable blocks the budget allows (grow never goes above)
   // conversations
   struct Conv {
-    int seq;
+    int seq;  // kSpilled while its cache lies in a spill file
     std::vector<int32_t> history, pending;
     std::vector<std::pair<std::string, std::string>> messages;  // (role, content) for the chat template
+    int64_t last_used = 0;  // the clock of the last step that touched it (the ladder's least recently used)
+    std::string spill;      // adaptive: its spill file ("" = resident)
   };
+  static constexpr int kSpilled = -1;
+  int64_t clock = 0;  // one tick per step (runtime_sim's Engine.clock)
+  LadderStats ladder;  // the pressure ladder's counters
   std::map<int, Conv> convs;
   int next_conv = 0;
   // counters
@@ -225,6 +251,11 @@ struct Runner::Impl {
       s.compact_blocks = num_compact_blocks;
       for (const CompactInput& c : compact_inputs) s.compact_bytes += static_cast<int64_t>(c.bytes);
     }
+    s.ladder = ladder;
+    s.ladder.policy = cfg.policy;
+    s.ladder.spilled_now = 0;
+    for (const auto& kv : convs) s.ladder.spilled_now += kv.second.spill.empty() ? 0 : 1;
+    s.ladder.compact_blocks_in_use = main.num_compact_blocks() - main.num_free_compact();
     s.prefill_tokens = prefill_tokens;
     s.decode_tokens = decode_tokens;
     s.prefill_tok_s = prefill_s > 0 ? prefill_tokens / prefill_s : 0;
@@ -338,6 +369,9 @@ struct Runner::Impl {
     code_bytes = static_cast<uint32_t>(pool["codes_shape"].items().back().as_int() * elem);
     scale_bytes = is_float ? 0 : static_cast<uint32_t>(pool["scales_shape"].items().back().as_int() * 2);
     has_stage = !is_float && (conv_spec.fp_tail || conv_spec.sink_blocks);
+    spec_bits = RecordBits{static_cast<int>(conv_spec.k_bits), static_cast<int>(conv_spec.v_bits),
+                           static_cast<int>(conv_spec.k_group), static_cast<int>(conv_spec.v_group),
+                           conv_spec.k_sym != 0, conv_spec.v_sym != 0};
   }
 
   // The manifest's compact region (PoolLayout.to_dict with a compact region): compact (the compact
@@ -381,6 +415,10 @@ struct Runner::Impl {
     if (compact_code_width + 2 * compact_scale_width >= static_cast<int>(code_bytes + scale_bytes))
       throw bad("has a compact spec (" + desc + ") that is not smaller than the pool's spec");
     num_compact_blocks = static_cast<int>(n->as_int());
+    compact_bits = RecordBits{p.ck_bits, p.cv_bits, p.ck_group, p.cv_group, p.ck_sym, p.cv_sym};
+    auto u = [&](const char* k) { return static_cast<uint32_t>(num(k)); };
+    compact_conv_spec = ConvSpec{u("k_bits"), u("v_bits"), u("k_group"), u("v_group"), u("k_sym"),
+                                 u("v_sym"), u("rotate"), u("fp_tail"), u("sink_blocks")};
     const int64_t want_c[4] = {num_compact_blocks, kv_heads, block_size, compact_code_width};
     const int64_t want_s[4] = {num_compact_blocks, kv_heads, block_size, compact_scale_width};
     for (const auto& [key, want] : {std::make_pair("compact_codes_shape", want_c), std::make_pair("compact_scales_shape", want_s)}) {
@@ -423,6 +461,11 @@ struct Runner::Impl {
     f.code_bytes = code_bytes;
     f.scale_bytes = scale_bytes;
     f.has_stage = has_stage;
+    if (num_compact_blocks) {  // the compact region a file's compact blocks must match
+      f.compact_spec = compact_conv_spec;
+      f.compact_code_bytes = static_cast<uint32_t>(compact_code_width);
+      f.compact_scale_bytes = static_cast<uint32_t>(2 * compact_scale_width);
+    }
     for (const LayerGroup& g : groups) {
       ConvGroup cg;
       cg.window = static_cast<uint32_t>(g.window);
@@ -470,7 +513,7 @@ struct Runner::Impl {
   std::vector<LayerPool> ensure_pool_views() {
     std::vector<LayerPool> v;
     if (pool_views(&v)) return v;
-    Conv scratch{pool->new_sequence(), {}, {}, {}};
+    Conv scratch{pool->new_sequence(), {}, {}, {}, 0, {}};
     try {
       step(scratch, {0});
     } catch (...) {
@@ -595,6 +638,9 @@ struct Runner::Impl {
       if (s) throw bad("lists the input '" + name + "' twice");
       s = 1;
       c.shape = {num_compact_blocks, kv_heads, block_size, c.scales ? compact_scale_width : compact_code_width};
+      if (compact_of_layer.empty()) compact_of_layer.assign(static_cast<size_t>(num_layers), {-1, -1});
+      auto& slot = compact_of_layer[static_cast<size_t>(c.layer)];
+      (c.scales ? slot.second : slot.first) = static_cast<int>(compact_inputs.size());
       compact_inputs.push_back(c);
     }
     for (const LayerGroup& g : groups)
@@ -745,7 +791,7 @@ struct Runner::Impl {
     // the budget decides how many blocks of group 0 are usable (and committed); the other groups' are all
     const int limit = cfg.pool_budget_bytes > 0 ? budget_blocks(cfg.pool_budget_bytes) : groups[0].num_blocks;
     budget_limit = limit;
-    pool = std::make_unique<GroupedBlockManager>(groups, block_size, max_seqs, limit);
+    pool = std::make_unique<GroupedBlockManager>(groups, block_size, max_seqs, limit, num_compact_blocks);
     for (size_t i = 0; i < nbuf; ++i) {
       auto sz = meta->memory_planned_buffer_size(i);
       if (!sz.ok()) throw RunnerError(ErrorCode::kModel, "cannot read the size of memory arena " + std::to_string(i + 1));
@@ -810,6 +856,7 @@ struct Runner::Impl {
                                                   " tokens, the .pte accepts at most " +
                                                   std::to_string(max_blocks_per_seq * block_size) + ": clear it.");
     pool->reserve(c.seq, T);  // every group; throws kPoolExhausted with nothing changed
+    c.last_used = ++clock;
     for (size_t g = 0; g < groups.size(); ++g) peak_used[g] = std::max(peak_used[g], pool->pool(g).num_used());
     std::vector<int64_t> ids(toks.begin(), toks.end()), pos(T), seq(T, c.seq);
     std::iota(pos.begin(), pos.end(), static_cast<int64_t>(start));
@@ -852,6 +899,454 @@ struct Runner::Impl {
     const float* data = out.const_data_ptr<float>();
     const size_t row = has_logits_rows ? 0 : static_cast<size_t>(T - 1);
     return std::vector<float>(data + row * V, data + (row + 1) * V);
+  }
+
+  // ---- save / restore (toolkit/CONVERSATION_FORMAT.md): the parts Runner::save/restore and the spill
+  // rung share; the caller holds mu ----
+
+  // conv's blocks as they lie in the pool (default and compact region), stage rows, tokens and messages
+  ConversationFile capture(Conv& c) {
+    const int n = pool->length(c.seq);
+    if (n != static_cast<int>(c.history.size()))
+      throw RunnerError(ErrorCode::kState, "a conversation is in the middle of a step: save it between turns.");
+    ConversationFile f = describe_pool();
+    f.tokens = c.history;
+    f.pending = c.pending;
+    // the chat's messages, as `pagedkv chat` stores them (runtime_sim/chat.py ChatSession.save)
+    f.app = "{\"system_prompt\": null, \"messages\": [";
+    for (size_t i = 0; i < c.messages.size(); ++i)
+      f.app += (i ? ", " : "") + std::string("{\"role\": ") + json_quote(c.messages[i].first) +
+               ", \"content\": " + json_quote(c.messages[i].second) + "}";
+    f.app += "]}";
+    const int nb = (n + block_size - 1) / block_size;
+    std::vector<LayerPool> views;
+    if (nb || has_stage) views = ensure_pool_views();
+    const size_t rec = static_cast<size_t>(kv_heads) * block_size;
+    f.codes.resize(f.num_layers);
+    f.scales.resize(f.num_layers);
+    f.compact_codes.resize(f.num_layers);
+    f.compact_scales.resize(f.num_layers);
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+      const auto& table = pool->pool(gi).blocks(c.seq);
+      const int nd = pool->pool(gi).num_blocks();  // ids >= nd: the compact region (group 0 only)
+      ConvGroup& cg = f.groups[gi];
+      for (int i = 0; i < nb; ++i) {
+        const int b = i < static_cast<int>(table.size()) ? table[static_cast<size_t>(i)] : -1;
+        cg.present.push_back(b < 0 ? kBlockHole : b < nd ? kBlockDefault : kBlockCompact);
+      }
+      for (int l : groups[gi].layers) {
+        const LayerPool& v = views[static_cast<size_t>(l)];
+        auto& codes = f.codes[static_cast<size_t>(l)];
+        auto& scales = f.scales[static_cast<size_t>(l)];
+        for (int i = 0; i < nb; ++i) {
+          if (cg.present[static_cast<size_t>(i)] != kBlockDefault) continue;
+          const size_t b = static_cast<size_t>(table[static_cast<size_t>(i)]);
+          codes.insert(codes.end(), v.codes + b * rec * code_bytes, v.codes + (b + 1) * rec * code_bytes);
+          if (scale_bytes)
+            scales.insert(scales.end(), v.scales + b * rec * scale_bytes, v.scales + (b + 1) * rec * scale_bytes);
+        }
+        if (!cg.n_compact()) continue;
+        const uint8_t* cc = compact_region(l, false);
+        const uint8_t* cs = compact_region(l, true);
+        const size_t cw = rec * static_cast<size_t>(compact_code_width), sw = rec * 2 * static_cast<size_t>(compact_scale_width);
+        for (int i = 0; i < nb; ++i) {
+          if (cg.present[static_cast<size_t>(i)] != kBlockCompact) continue;
+          const size_t b = static_cast<size_t>(table[static_cast<size_t>(i)] - nd);
+          f.compact_codes[static_cast<size_t>(l)].insert(f.compact_codes[static_cast<size_t>(l)].end(), cc + b * cw, cc + (b + 1) * cw);
+          f.compact_scales[static_cast<size_t>(l)].insert(f.compact_scales[static_cast<size_t>(l)].end(), cs + b * sw, cs + (b + 1) * sw);
+        }
+      }
+    }
+    if (has_stage) {
+      const size_t sb = f.stage_bytes();
+      for (int l = 0; l < num_layers; ++l) {
+        const uint8_t* p = views[static_cast<size_t>(l)].stage + static_cast<size_t>(c.seq) * sb;
+        f.stage.emplace_back(p, p + sb);
+      }
+    }
+    return f;
+  }
+
+  // Layer l's compact codes (or scales) tensor in the compact region.
+  uint8_t* compact_region(int l, bool scales) const {
+    const auto& io = compact_of_layer[static_cast<size_t>(l)];
+    return compact_mem->ptr + compact_inputs[static_cast<size_t>(scales ? io.second : io.first)].offset;
+  }
+
+  // Free default blocks each group needs to restore f, at its peak (runtime_sim.conversation_file
+  // blocks_to_restore): the default blocks before the last one stay while the last one is allocated; a
+  // hole is dropped and a compact block moved to the compact region as soon as it is restored.
+  std::vector<int> blocks_to_restore(const ConversationFile& f) const {
+    const int nb = static_cast<int>((f.tokens.size() + f.block_size - 1) / f.block_size);
+    std::vector<int> need;
+    for (const ConvGroup& g : f.groups) {
+      int k = nb ? 1 : 0;
+      for (int i = 0; i + 1 < nb; ++i) k += g.present[static_cast<size_t>(i)] == kBlockDefault ? 1 : 0;
+      need.push_back(k);
+    }
+    return need;
+  }
+
+  // A new sequence slot holding f's blocks (compact ones in free compact blocks, all or none) and stage
+  // rows; every check first, so any failure leaves the pool as it was. Returns the slot.
+  int restore_seq(const ConversationFile& f, const std::string& path) {
+    check_conversation_compatible(f, describe_pool(), path);
+    auto bad = [&](const std::string& what) {
+      return RunnerError(ErrorCode::kArgument, "conversation file " + path + " " + what +
+                                                   ": it cannot be restored; save the conversation again.");
+    };
+    for (const auto* v : {&f.tokens, &f.pending})
+      for (int32_t t : *v)
+        if (t >= vocab_size)
+          throw bad("holds a token id outside this model's vocabulary of " + std::to_string(vocab_size) + " (damaged)");
+    const int n = static_cast<int>(f.tokens.size()), bs = block_size, nb = (n + bs - 1) / bs;
+    if (nb > max_blocks_per_seq)
+      throw bad("holds " + std::to_string(n) + " tokens, the .pte accepts at most " + std::to_string(max_blocks_per_seq * bs));
+    for (size_t gi = 0; gi < f.groups.size(); ++gi) {  // holes only where a window (or a dropped block) can be
+      const ConvGroup& cg = f.groups[gi];
+      const int dead = dead_blocks(static_cast<int>(cg.window), bs, n);
+      for (int i = 0; i < dead && i < nb; ++i)
+        if (cg.present[static_cast<size_t>(i)])
+          throw bad("holds blocks of layer group " + std::to_string(gi) + " that its window would not keep (damaged)");
+      if (n % bs && !cg.present[static_cast<size_t>(nb - 1)])  // a partly filled block is never dropped
+        throw bad("has a hole at the last, partly filled block of layer group " + std::to_string(gi) + " (damaged)");
+      if (gi != 0 && cg.n_compact())  // the compact region belongs to the first (global) group
+        throw RunnerError(ErrorCode::kArgument, "conversation file " + path + " holds compact blocks in layer group " +
+                                                    std::to_string(gi) + ", which has no compact region here: restore "
+                                                    "it with the artifacts that saved it.");
+    }
+    if (static_cast<int>(pool->live_sequences().size()) >= max_seqs)
+      throw RunnerError(ErrorCode::kState, "all " + std::to_string(max_seqs) + " conversation slots are in use: close "
+                                           "a conversation before restoring " + path + ".");
+    const std::vector<int> need = blocks_to_restore(f);
+    for (size_t gi = 0; gi < f.groups.size(); ++gi) {
+      const int free = pool->pool(gi).num_free();
+      if (need[gi] > free)
+        throw RunnerError(ErrorCode::kPoolExhausted,
+                          "KV block pool exhausted restoring " + path + " (" + std::to_string(n) + " tokens)" +
+                              (grouped ? " in layer group " + std::to_string(gi) : std::string()) + ": needs " +
+                              std::to_string(need[gi]) + " block(s), only " + std::to_string(free) +
+                              " free. Clear a conversation or give the pool a larger budget.");
+    }
+    const int n_compact = static_cast<int>(f.n_compact());
+    if (n_compact > pool->main().num_free_compact())
+      throw RunnerError(ErrorCode::kPoolExhausted,
+                        "KV block pool exhausted restoring " + path + ": its " + std::to_string(n_compact) +
+                            " compact-tier block(s) need as many free blocks of the compact region, only " +
+                            std::to_string(pool->main().num_free_compact()) +
+                            " free. Clear a conversation (or restore it where fewer blocks are compacted).");
+    std::vector<LayerPool> views;
+    if (nb || has_stage) views = ensure_pool_views();
+    const int seq = pool->new_sequence();
+    try {
+      for (int i = 0; i < nb; ++i) {  // block by block, so a sliding group hands back what left its window
+        const int len = std::min(bs, n - i * bs);
+        pool->reserve(seq, len);
+        pool->commit(seq, len);
+        for (size_t gi = 0; gi < f.groups.size(); ++gi) {
+          const auto& t = pool->pool(gi).blocks(seq);
+          const uint8_t kind = f.groups[gi].present[static_cast<size_t>(i)];
+          if (kind == kBlockHole && t[static_cast<size_t>(i)] >= 0 && len == bs)
+            pool->pool(gi).drop_blocks(seq, {i});  // a block the saver's pool dropped (sliding policy)
+          else if (kind == kBlockCompact)
+            pool->pool(gi).compact(seq, i);  // only its compact records are written below
+        }
+      }
+      const size_t rec = static_cast<size_t>(kv_heads) * bs;
+      for (size_t gi = 0; gi < f.groups.size(); ++gi) {
+        const auto& t = pool->pool(gi).blocks(seq);
+        const int nd = pool->pool(gi).num_blocks();
+        for (int i = 0; i < nb; ++i)
+          if ((t[static_cast<size_t>(i)] >= 0) != (f.groups[gi].present[static_cast<size_t>(i)] != kBlockHole))
+            throw bad("holds blocks of layer group " + std::to_string(gi) + " that its window would not keep (damaged)");
+        for (int l : groups[gi].layers) {
+          const LayerPool& v = views[static_cast<size_t>(l)];
+          size_t k = 0, kc = 0;  // the file's k-th default and kc-th compact block of this layer
+          const size_t cw = rec * static_cast<size_t>(compact_code_width), sw = rec * 2 * static_cast<size_t>(compact_scale_width);
+          for (int i = 0; i < nb; ++i) {
+            const int id = t[static_cast<size_t>(i)];
+            if (id < 0) continue;
+            if (id >= nd) {  // a compact block: its compact records into the compact region
+              const size_t b = static_cast<size_t>(id - nd);
+              std::memcpy(compact_region(l, false) + b * cw, f.compact_codes[static_cast<size_t>(l)].data() + kc * cw, cw);
+              std::memcpy(compact_region(l, true) + b * sw, f.compact_scales[static_cast<size_t>(l)].data() + kc * sw, sw);
+              ++kc;
+              continue;
+            }
+            const size_t b = static_cast<size_t>(id);
+            std::memcpy(v.codes + b * rec * code_bytes, f.codes[static_cast<size_t>(l)].data() + k * rec * code_bytes,
+                        rec * code_bytes);
+            if (scale_bytes)
+              std::memcpy(v.scales + b * rec * scale_bytes,
+                          f.scales[static_cast<size_t>(l)].data() + k * rec * scale_bytes, rec * scale_bytes);
+            ++k;
+          }
+        }
+      }
+      if (has_stage)
+        for (int l = 0; l < num_layers; ++l)
+          std::memcpy(views[static_cast<size_t>(l)].stage + static_cast<size_t>(seq) * f.stage_bytes(),
+                      f.stage[static_cast<size_t>(l)].data(), f.stage_bytes());
+    } catch (...) {
+      pool->release(seq);
+      throw;
+    }
+    for (size_t gi = 0; gi < groups.size(); ++gi) peak_used[gi] = std::max(peak_used[gi], pool->pool(gi).num_used());
+    return seq;
+  }
+
+  // ---- the compact tier and the pressure ladder (runtime_sim/compact.py, Engine._make_room) ----
+
+  bool adaptive() const { return cfg.policy == "adaptive"; }
+  bool can_spill() const { return adaptive() && !cfg.spill_dir.empty(); }
+  int slide_sink() const { return cfg.sink_blocks > 0 ? cfg.sink_blocks : std::max(1, static_cast<int>(conv_spec.sink_blocks)); }
+
+  // Default block src re-quantized into block dst of the compact region (0-based) in every global layer.
+  void requantize_block(const std::vector<LayerPool>& views, int src, int dst) {
+    const size_t rec = static_cast<size_t>(kv_heads) * block_size;
+    for (int l : groups[0].layers) {
+      const LayerPool& v = views[static_cast<size_t>(l)];
+      requantize_records(v.codes + static_cast<size_t>(src) * rec * code_bytes,
+                         reinterpret_cast<const uint16_t*>(v.scales + static_cast<size_t>(src) * rec * scale_bytes), rec,
+                         spec_bits, compact_bits, head_dim,
+                         compact_region(l, false) + static_cast<size_t>(dst) * rec * compact_code_width,
+                         reinterpret_cast<uint16_t*>(compact_region(l, true) +
+                                                     static_cast<size_t>(dst) * rec * 2 * compact_scale_width));
+    }
+  }
+
+  // runtime_sim.compact.aged_blocks: logical blocks of seq that may move to the compact region, oldest
+  // first: from past the sink to the last block ending at least horizon tokens back, default blocks only
+  // (every block here is held by one sequence: the runner shares none).
+  std::vector<int> aged_blocks(int seq, int horizon) const {
+    const BlockManager& main = pool->main();
+    const auto& table = main.blocks(seq);
+    const int len = main.length(seq);
+    const int last = len >= horizon ? (len - horizon) / block_size : 0;  // blocks i < last end >= horizon back
+    std::vector<int> out;
+    for (int i = std::max(1, static_cast<int>(conv_spec.sink_blocks)); i < last && i < static_cast<int>(table.size()); ++i)
+      if (table[static_cast<size_t>(i)] >= 0 && table[static_cast<size_t>(i)] < main.num_blocks()) out.push_back(i);
+    return out;
+  }
+
+  // runtime_sim.compact.compact_aged: move c's aged blocks, oldest first, while the compact region has free
+  // blocks: all of them, or at most limit (> 0; the ladder asks for what its step is short of).
+  std::vector<std::tuple<int, int, int>> compact_aged(Conv& c, int horizon, int limit = 0) {
+    std::vector<std::tuple<int, int, int>> moved;
+    BlockManager& main = pool->main();
+    const std::vector<int> aged = aged_blocks(c.seq, horizon);
+    if (aged.empty() || !main.num_free_compact()) return moved;
+    const std::vector<LayerPool> views = ensure_pool_views();
+    const int n = main.num_blocks();
+    for (int i : aged) {
+      if (!main.num_free_compact() || (limit > 0 && static_cast<int>(moved.size()) >= limit)) break;
+      const std::pair<int, int> ids = main.compact(c.seq, i);  // the default block is freed, its records intact
+      requantize_block(views, ids.first, ids.second - n);
+      moved.emplace_back(i, ids.first, ids.second);
+    }
+    return moved;
+  }
+
+  // The compact rung (Engine._compact_one): the oldest aged blocks (at most limit, what the step is short
+  // of) of one conversation, the least recently used idle resident one that has any, else the active one.
+  // False if none moved; make_room asks again while it is still short.
+  bool compact_one(Conv* active, int limit) {
+    if (!pool->main().num_free_compact()) return false;
+    std::vector<Conv*> order;
+    for (auto& kv : convs)
+      if (kv.second.spill.empty() && &kv.second != active) order.push_back(&kv.second);
+    std::stable_sort(order.begin(), order.end(), [](const Conv* a, const Conv* b) { return a->last_used < b->last_used; });
+    if (active) order.push_back(active);
+    for (Conv* c : order) {
+      const auto moved = compact_aged(*c, cfg.compact_horizon, limit);
+      if (!moved.empty()) {
+        ++ladder.compactions;
+        ladder.compacted_blocks += static_cast<int64_t>(moved.size());
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // The sliding rung (Engine._slide): drop the active conversation's oldest full default block after the
+  // sink, in every group that still holds it. Compact blocks are not dropped (that frees no default block).
+  bool slide_one(Conv& a) {
+    BlockManager& main = pool->main();
+    const auto& table = main.blocks(a.seq);
+    const int full = main.length(a.seq) / block_size;
+    for (int i = slide_sink(); i < full; ++i) {
+      const int b = table[static_cast<size_t>(i)];
+      if (b < 0 || b >= main.num_blocks()) continue;
+      for (size_t g = 0; g < groups.size(); ++g) {
+        const auto& t = pool->pool(g).blocks(a.seq);
+        if (i < static_cast<int>(t.size()) && t[static_cast<size_t>(i)] >= 0) pool->pool(g).drop_blocks(a.seq, {i});
+      }
+      ++ladder.slides;
+      return true;
+    }
+    return false;
+  }
+
+  std::string spill_path(int id) const {
+    char tag[64];
+    std::snprintf(tag, sizeof tag, "%d-%llx", static_cast<int>(getpid()),
+                  static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(this)));
+    return cfg.spill_dir + "/spill-" + tag + "-" + std::to_string(id) + ".pkvc";
+  }
+
+  // The spill rung (Engine._spill_one): write the least recently used resident conversation other than
+  // protect to its spill file and free its slot and blocks. With short_groups / compact_short: only one
+  // that frees a block of a short group (or a compact block). False if none, or if its file could not be
+  // written (then nothing changed).
+  bool spill_one(const Conv* protect, const std::vector<int>* short_groups, bool compact_short) {
+    const bool filter = (short_groups && !short_groups->empty()) || compact_short;
+    Conv* best = nullptr;
+    int best_id = -1;
+    for (auto& kv : convs) {
+      Conv& c = kv.second;
+      if (!c.spill.empty() || &c == protect) continue;
+      if (filter) {
+        bool frees = false;
+        for (size_t k = 0; short_groups && k < short_groups->size() && !frees; ++k) {
+          const BlockManager& p = pool->pool(static_cast<size_t>((*short_groups)[k]));
+          for (int32_t b : p.blocks(c.seq)) frees = frees || (b >= 0 && b < p.num_blocks());
+        }
+        if (compact_short)
+          for (int32_t b : pool->main().blocks(c.seq)) frees = frees || b >= pool->main().num_blocks();
+        if (!frees) continue;
+      }
+      if (!best || c.last_used < best->last_used) {
+        best = &c;
+        best_id = kv.first;
+      }
+    }
+    if (!best) return false;
+    const std::string path = spill_path(best_id);
+    int64_t size = 0;
+    try {
+      ConversationFile f = capture(*best);
+      f.app.clear();  // the runner keeps the chat's messages; the file holds the cache (as Engine's spill)
+      size = static_cast<int64_t>(write_conversation_file(path, f));
+    } catch (const RunnerError&) {
+      ++ladder.spill_failures;  // the next rung is taken; the conversation stays resident
+      return false;
+    }
+    pool->release(best->seq);
+    best->seq = kSpilled;
+    best->spill = path;
+    ++ladder.spills;
+    ladder.spill_bytes += size;
+    return true;
+  }
+
+  // adaptive: a free sequence slot, spilling the least recently used idle conversation if all are held.
+  void make_slot(const Conv* protect) {
+    while (can_spill() && static_cast<int>(pool->live_sequences().size()) >= max_seqs && spill_one(protect, nullptr, false)) {
+    }
+  }
+
+  // adaptive: spill idle conversations until f can be restored (default blocks, compact blocks, a slot).
+  void room_for_file(const ConversationFile& f, const Conv* protect) {
+    if (!can_spill()) return;
+    const std::vector<int> need = blocks_to_restore(f);
+    while (true) {
+      std::vector<int> short_groups;
+      for (size_t g = 0; g < need.size() && g < groups.size(); ++g)
+        if (need[g] > pool->pool(g).num_free()) short_groups.push_back(static_cast<int>(g));
+      const bool compact_short = static_cast<int>(f.n_compact()) > pool->main().num_free_compact();
+      if (short_groups.empty() && !compact_short && static_cast<int>(pool->live_sequences().size()) < max_seqs) return;
+      if (!spill_one(protect, &short_groups, compact_short)) return;  // restore_seq names the shortage
+    }
+  }
+
+  void drop_spill(Conv& c) {
+    unlink(c.spill.c_str());  // a stray file at worst; the conversation is not affected
+    c.spill.clear();
+  }
+
+  // A spilled conversation that cannot be mapped back: a fresh slot, its file dropped, its tokens pending
+  // (prefilled again on this turn, under the ladder like any prompt).
+  Conv& reprefill_spilled(Conv& c) {
+    make_slot(&c);
+    c.seq = pool->new_sequence();
+    drop_spill(c);
+    c.pending.insert(c.pending.begin(), c.history.begin(), c.history.end());
+    c.history.clear();
+    ++ladder.spill_reprefills;
+    return c;
+  }
+
+  // The conversation with its cache in the pool (Engine._resident): a spilled one is mapped back from its
+  // file without prefill (spilling others to make room), or prefilled again if that cannot be.
+  Conv& resident(int id) {
+    Conv& c = conv(id);
+    if (c.spill.empty()) return c;
+    ConversationFile f;
+    try {
+      f = read_conversation_file(c.spill);
+      if (f.tokens != c.history || f.pending != c.pending)
+        throw RunnerError(ErrorCode::kArgument, "spill file " + c.spill + " holds other tokens");
+    } catch (const RunnerError&) {  // deleted or damaged behind our back: its tokens are still here
+      return reprefill_spilled(c);
+    }
+    room_for_file(f, &c);
+    if (static_cast<int>(f.n_compact()) > pool->main().num_free_compact()) return reprefill_spilled(c);
+    c.seq = restore_seq(f, c.spill);  // throws with nothing changed
+    drop_spill(c);
+    ++ladder.restores_from_spill;
+    return c;
+  }
+
+  RunnerError exhausted(size_t g, int need, int free, size_t n_tokens, const char* what) const {
+    return RunnerError(ErrorCode::kPoolExhausted,
+                       "KV block pool exhausted for " + std::string(what) + " of " + std::to_string(n_tokens) +
+                           " tokens" +
+                           (grouped ? " in layer group " + std::to_string(g) + " (" +
+                                          (groups[g].window ? "window " + std::to_string(groups[g].window)
+                                                            : std::string("global")) + ")"
+                                    : std::string()) +
+                           ": needs " + std::to_string(need) + " block(s), only " + std::to_string(free) + " free" +
+                           (cfg.policy != "error" ? " (policy '" + cfg.policy + "' found nothing more to free)"
+                                                  : std::string()) +
+                           ". Clear a conversation or give the pool a larger budget.");
+  }
+
+  // Apply the pool policy until writing n_new tokens to a (in calls of chunk tokens; 0 = one call) will
+  // find its blocks, or throw kPoolExhausted (Engine._make_room). slide=false: only the rungs that keep
+  // every token (adaptive: compact and spill, never slide). Invariants are checked after every rung.
+  void make_room(Conv& a, int n_new, int chunk, bool slide, const char* what) {
+    bool spill = can_spill();
+    const bool can_compact = adaptive() && num_compact_blocks > 0 && groups[0].window == 0;
+    bool compact = can_compact;
+    while (true) {
+      const std::vector<int> need = pool->blocks_needed(a.seq, n_new, chunk);
+      std::vector<int> short_groups;
+      for (size_t g = 0; g < need.size(); ++g)
+        if (need[g] > pool->pool(g).num_free()) short_groups.push_back(static_cast<int>(g));
+      if (short_groups.empty()) return;
+      if (compact) {
+        // compaction frees blocks of the global group only, as many as it is short of
+        if (short_groups[0] == 0 && compact_one(&a, need[0] - pool->pool(0).num_free())) {
+          pool->check_invariants();
+          continue;
+        }
+        compact = false;  // nothing more is old enough, or the compact region is full: next rung
+      }
+      if (spill) {
+        if (spill_one(&a, &short_groups, false)) {
+          pool->check_invariants();
+          compact = can_compact;  // from the top: the spill may have freed compact blocks
+          continue;
+        }
+        spill = false;  // nothing left to spill, or a spill file could not be written: next rung
+      }
+      if ((adaptive() || cfg.policy == "sliding") && slide && slide_one(a)) {
+        pool->check_invariants();
+        continue;
+      }
+      const size_t g = static_cast<size_t>(short_groups[0]);
+      throw exhausted(g, need[g], pool->pool(g).num_free(), static_cast<size_t>(n_new), what);
+    }
   }
 
   Conv& conv(int id) {
@@ -927,6 +1422,14 @@ void requantize_records(const uint8_t* codes, const uint16_t* scales, size_t n, 
 }
 
 Runner::Runner(const RunnerConfig& cfg) : impl_(new Impl) {
+  if (cfg.policy != "error" && cfg.policy != "sliding" && cfg.policy != "adaptive")
+    throw RunnerError(ErrorCode::kArgument, "unknown pool policy '" + cfg.policy + "': use one of error, sliding, adaptive.");
+  if (cfg.compact_horizon < 1)
+    throw RunnerError(ErrorCode::kArgument, "compact horizon " + std::to_string(cfg.compact_horizon) + " is invalid: give "
+                                            "the number of recent tokens a conversation keeps in the default region (>= 1, e.g. 1024).");
+  if (cfg.sink_blocks < 0)
+    throw RunnerError(ErrorCode::kArgument, "sink_blocks " + std::to_string(cfg.sink_blocks) + " is invalid: give 0 "
+                                            "(the spec's, at least 1) or the number of leading blocks never dropped.");
   impl_->cfg = cfg;
   const std::string& dir = cfg.artifacts_dir;
   impl_->load_manifest(dir);
@@ -958,9 +1461,10 @@ Runner::~Runner() = default;
 
 int Runner::new_conversation() {
   std::lock_guard<std::mutex> g(impl_->mu);
+  impl_->make_slot(nullptr);  // adaptive: spill the least recently used conversation if every slot is held
   int seq = impl_->pool->new_sequence();
   int id = impl_->next_conv++;
-  impl_->convs[id] = Impl::Conv{seq, {}, {}, {}};
+  impl_->convs[id] = Impl::Conv{seq, {}, {}, {}, impl_->clock, {}};
   impl_->refresh_stats();
   return id;
 }
@@ -968,8 +1472,15 @@ int Runner::new_conversation() {
 void Runner::clear(int conv) {
   std::lock_guard<std::mutex> g(impl_->mu);
   auto& c = impl_->conv(conv);
-  impl_->pool->release(c.seq);
-  c.seq = impl_->pool->new_sequence();
+  if (!c.spill.empty()) {  // no slot yet: take one first, so a failure changes nothing
+    impl_->make_slot(&c);
+    const int seq = impl_->pool->new_sequence();
+    impl_->drop_spill(c);
+    c.seq = seq;
+  } else {
+    impl_->pool->release(c.seq);
+    c.seq = impl_->pool->new_sequence();
+  }
   c.history.clear();
   c.pending.clear();
   c.messages.clear();
@@ -979,33 +1490,18 @@ void Runner::clear(int conv) {
 void Runner::close(int conv) {
   std::lock_guard<std::mutex> g(impl_->mu);
   auto& c = impl_->conv(conv);
-  impl_->pool->release(c.seq);
+  if (!c.spill.empty()) impl_->drop_spill(c);
+  else impl_->pool->release(c.seq);
   impl_->convs.erase(conv);
   impl_->refresh_stats();
 }
 
 int Runner::conversation_length(int conv) const {
   std::lock_guard<std::mutex> g(impl_->mu);
-  return impl_->pool->length(impl_->conv(conv).seq);
+  const auto& c = impl_->conv(conv);
+  return c.spill.empty() ? impl_->pool->length(c.seq) : static_cast<int>(c.history.size());
 }
 
-// A JSON string literal (the chat messages in a conversation file's app bytes).
-static std::string json_quote(const std::string& s) {
-  std::string o = "\"";
-  for (unsigned char ch : s) {
-    if (ch == '"' || ch == '\\') {
-      o += '\\';
-      o += static_cast<char>(ch);
-    } else if (ch < 0x20) {
-      char b[8];
-      std::snprintf(b, sizeof b, "\\u%04x", ch);
-      o += b;
-    } else {
-      o += static_cast<char>(ch);
-    }
-  }
-  return o + "\"";
-}
 
 std::vector<int32_t> Runner::conversation_tokens(int conv) const {
   std::lock_guard<std::mutex> g(impl_->mu);
@@ -1018,54 +1514,11 @@ std::vector<int32_t> Runner::conversation_tokens(int conv) const {
 int64_t Runner::save(int conv, const std::string& path) {
   std::lock_guard<std::mutex> g(impl_->mu);
   Impl& m = *impl_;
-  Impl::Conv& c = m.conv(conv);
   if (!m.sha_known)
     throw RunnerError(ErrorCode::kArtifact, "pagedkv.json has no sha256 for the .pte, which a conversation file "
                                             "names its model by: re-run `pagedkv export --format pte`.");
-  const int n = m.pool->length(c.seq);
-  if (n != static_cast<int>(c.history.size()))
-    throw RunnerError(ErrorCode::kState, "conversation " + std::to_string(conv) + " is in the middle of a step: save it between turns.");
-  ConversationFile f = m.describe_pool();
-  f.tokens = c.history;
-  f.pending = c.pending;
-  // the chat's messages, as `pagedkv chat` stores them (runtime_sim/chat.py ChatSession.save)
-  f.app = "{\"system_prompt\": null, \"messages\": [";
-  for (size_t i = 0; i < c.messages.size(); ++i)
-    f.app += (i ? ", " : "") + std::string("{\"role\": ") + json_quote(c.messages[i].first) +
-             ", \"content\": " + json_quote(c.messages[i].second) + "}";
-  f.app += "]}";
-  const int nb = (n + m.block_size - 1) / m.block_size;
-  std::vector<Impl::LayerPool> views;
-  if (nb || m.has_stage) views = m.ensure_pool_views();
-  const size_t rec = static_cast<size_t>(m.kv_heads) * m.block_size;
-  f.codes.resize(f.num_layers);
-  f.scales.resize(f.num_layers);
-  for (size_t gi = 0; gi < m.groups.size(); ++gi) {
-    const auto& table = m.pool->pool(gi).blocks(c.seq);
-    ConvGroup& cg = f.groups[gi];
-    for (int i = 0; i < nb; ++i)
-      cg.present.push_back(i < static_cast<int>(table.size()) && table[static_cast<size_t>(i)] >= 0 ? 1 : 0);
-    for (int l : m.groups[gi].layers) {
-      const Impl::LayerPool& v = views[static_cast<size_t>(l)];
-      for (int i = 0; i < nb; ++i) {
-        if (!cg.present[static_cast<size_t>(i)]) continue;
-        const size_t b = static_cast<size_t>(table[static_cast<size_t>(i)]);
-        f.codes[static_cast<size_t>(l)].insert(f.codes[static_cast<size_t>(l)].end(), v.codes + b * rec * m.code_bytes,
-                                               v.codes + (b + 1) * rec * m.code_bytes);
-        if (m.scale_bytes)
-          f.scales[static_cast<size_t>(l)].insert(f.scales[static_cast<size_t>(l)].end(),
-                                                  v.scales + b * rec * m.scale_bytes, v.scales + (b + 1) * rec * m.scale_bytes);
-      }
-    }
-  }
-  if (m.has_stage) {
-    const size_t sb = f.stage_bytes();
-    for (int l = 0; l < m.num_layers; ++l) {
-      const uint8_t* p = views[static_cast<size_t>(l)].stage + static_cast<size_t>(c.seq) * sb;
-      f.stage.emplace_back(p, p + sb);
-    }
-  }
-  const int64_t size = static_cast<int64_t>(write_conversation_file(path, f));
+  Impl::Conv& c = m.resident(conv);  // a spilled conversation is mapped back first (Engine.save)
+  const int64_t size = static_cast<int64_t>(write_conversation_file(path, m.capture(c)));
   m.refresh_stats();
   return size;
 }
@@ -1079,14 +1532,6 @@ int Runner::restore(const std::string& path) {
   // every check before the pool changes
   ConversationFile f = read_conversation_file(path);
   check_conversation_compatible(f, m.describe_pool(), path);
-  auto bad = [&](const std::string& what) {
-    return RunnerError(ErrorCode::kArgument, "conversation file " + path + " " + what +
-                                                 ": it cannot be restored; save the conversation again.");
-  };
-  for (const auto* v : {&f.tokens, &f.pending})
-    for (int32_t t : *v)
-      if (t >= m.vocab_size)
-        throw bad("holds a token id outside this model's vocabulary of " + std::to_string(m.vocab_size) + " (damaged)");
   std::vector<std::pair<std::string, std::string>> messages;
   if (!f.app.empty()) {  // the chat's messages (written by save or by `pagedkv chat`'s /save)
     try {
@@ -1094,86 +1539,55 @@ int Runner::restore(const std::string& path) {
       if (const Json* ms = app.find("messages"))
         for (const Json& e : ms->items()) messages.emplace_back(e["role"].as_string(), e["content"].as_string());
     } catch (const std::exception&) {
-      throw bad("holds application data that are not chat messages");
+      throw RunnerError(ErrorCode::kArgument, "conversation file " + path + " holds application data that are not "
+                                              "chat messages: it cannot be restored; save the conversation again.");
     }
   }
-  const int n = static_cast<int>(f.tokens.size()), bs = m.block_size, nb = (n + bs - 1) / bs;
-  if (nb > m.max_blocks_per_seq)
-    throw bad("holds " + std::to_string(n) + " tokens, the .pte accepts at most " +
-              std::to_string(m.max_blocks_per_seq * bs));
-  for (size_t gi = 0; gi < f.groups.size(); ++gi) {  // holes only where a window (or a dropped block) can be
-    const ConvGroup& cg = f.groups[gi];
-    const int dead = dead_blocks(static_cast<int>(cg.window), bs, n);
-    for (int i = 0; i < dead && i < nb; ++i)
-      if (cg.present[static_cast<size_t>(i)])
-        throw bad("holds blocks of layer group " + std::to_string(gi) + " that its window would not keep (damaged)");
-    if (n % bs && !cg.present[static_cast<size_t>(nb - 1)])  // a partly filled block is never dropped
-      throw bad("has a hole at the last, partly filled block of layer group " + std::to_string(gi) + " (damaged)");
-  }
-  if (static_cast<int>(m.pool->live_sequences().size()) >= m.max_seqs)
-    throw RunnerError(ErrorCode::kState, "all " + std::to_string(m.max_seqs) + " conversation slots are in use: close "
-                                         "a conversation before restoring " + path + ".");
-  for (size_t gi = 0; gi < f.groups.size(); ++gi) {
-    // at the peak the present blocks before the last one stay while the last one is allocated
-    int need = nb ? 1 : 0;
-    for (int i = 0; i + 1 < nb; ++i) need += f.groups[gi].present[static_cast<size_t>(i)];
-    const int free = m.pool->pool(gi).num_free();
-    if (need > free)
-      throw RunnerError(ErrorCode::kPoolExhausted,
-                        "KV block pool exhausted restoring " + path + " (" + std::to_string(n) + " tokens)" +
-                            (m.grouped ? " in layer group " + std::to_string(gi) : std::string()) + ": needs " +
-                            std::to_string(need) + " block(s), only " + std::to_string(free) +
-                            " free. Clear a conversation or give the pool a larger budget.");
-  }
-  std::vector<Impl::LayerPool> views;
-  if (nb || m.has_stage) views = m.ensure_pool_views();
-  const int seq = m.pool->new_sequence();
+  m.room_for_file(f, nullptr);  // adaptive: spill idle conversations to make room
+  int seq;
   try {
-    for (int i = 0; i < nb; ++i) {  // block by block, so a sliding group hands back what left its window
-      const int len = std::min(bs, n - i * bs);
-      m.pool->reserve(seq, len);
-      m.pool->commit(seq, len);
-      for (size_t gi = 0; gi < f.groups.size(); ++gi) {
-        const auto& t = m.pool->pool(gi).blocks(seq);
-        if (!f.groups[gi].present[static_cast<size_t>(i)] && t[static_cast<size_t>(i)] >= 0 && len == bs)
-          m.pool->pool(gi).drop_blocks(seq, {i});  // a block the saver's pool dropped (sliding policy)
-      }
-    }
-    const size_t rec = static_cast<size_t>(m.kv_heads) * bs;
-    for (size_t gi = 0; gi < f.groups.size(); ++gi) {
-      const auto& t = m.pool->pool(gi).blocks(seq);
-      for (int i = 0; i < nb; ++i)
-        if ((t[static_cast<size_t>(i)] >= 0) != (f.groups[gi].present[static_cast<size_t>(i)] != 0))
-          throw bad("holds blocks of layer group " + std::to_string(gi) + " that its window would not keep (damaged)");
-      for (int l : m.groups[gi].layers) {
-        const Impl::LayerPool& v = views[static_cast<size_t>(l)];
-        size_t k = 0;  // the file's k-th present block of this layer
-        for (int i = 0; i < nb; ++i) {
-          if (t[static_cast<size_t>(i)] < 0) continue;
-          const size_t b = static_cast<size_t>(t[static_cast<size_t>(i)]);
-          std::memcpy(v.codes + b * rec * m.code_bytes, f.codes[static_cast<size_t>(l)].data() + k * rec * m.code_bytes,
-                      rec * m.code_bytes);
-          if (m.scale_bytes)
-            std::memcpy(v.scales + b * rec * m.scale_bytes,
-                        f.scales[static_cast<size_t>(l)].data() + k * rec * m.scale_bytes, rec * m.scale_bytes);
-          ++k;
-        }
-      }
-    }
-    if (m.has_stage)
-      for (int l = 0; l < m.num_layers; ++l)
-        std::memcpy(views[static_cast<size_t>(l)].stage + static_cast<size_t>(seq) * f.stage_bytes(),
-                    f.stage[static_cast<size_t>(l)].data(), f.stage_bytes());
+    seq = m.restore_seq(f, path);
   } catch (...) {
-    m.pool->release(seq);
     m.refresh_stats();
     throw;
   }
-  for (size_t gi = 0; gi < m.groups.size(); ++gi) m.peak_used[gi] = std::max(m.peak_used[gi], m.pool->pool(gi).num_used());
   const int id = m.next_conv++;
-  m.convs[id] = Impl::Conv{seq, f.tokens, f.pending, messages};
+  m.convs[id] = Impl::Conv{seq, f.tokens, f.pending, messages, m.clock, {}};
   m.refresh_stats();
   return id;
+}
+
+std::vector<std::tuple<int, int, int>> Runner::compact(int conv, int horizon) {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  Impl& m = *impl_;
+  if (horizon < 1)
+    throw RunnerError(ErrorCode::kArgument, "horizon " + std::to_string(horizon) + " is invalid: give the number of "
+                                            "recent tokens kept in the default region (>= 1).");
+  if (!m.num_compact_blocks || m.groups[0].window)
+    throw RunnerError(ErrorCode::kArgument, "this model has no compact region: export it with `pagedkv export "
+                                            "--compact-blocks N` to use the compact tier.");
+  Impl::Conv& c = m.conv(conv);
+  if (!c.spill.empty())
+    throw RunnerError(ErrorCode::kState, "conversation " + std::to_string(conv) + " lies in a spill file: its next "
+                                         "turn restores it; compact it then.");
+  auto moved = m.compact_aged(c, horizon);
+  m.pool->check_invariants();
+  m.refresh_stats();
+  return moved;
+}
+
+std::vector<uint8_t> Runner::block_kinds(int conv) const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  const Impl& m = *impl_;
+  auto it = m.convs.find(conv);
+  if (it == m.convs.end())
+    throw RunnerError(ErrorCode::kState, "unknown conversation " + std::to_string(conv) + ": create one with new_conversation()");
+  std::vector<uint8_t> out;
+  if (!it->second.spill.empty()) return out;
+  const BlockManager& main = m.pool->main();
+  for (int32_t b : main.blocks(it->second.seq))
+    out.push_back(b < 0 ? kBlockHole : b < main.num_blocks() ? kBlockDefault : kBlockCompact);
+  return out;
 }
 
 std::string Runner::render_chat(int conv, const std::string& user_text) const {
@@ -1194,7 +1608,7 @@ std::vector<int32_t> Runner::chat(int conv, const std::string& user_text, int ma
   std::tuple<std::vector<int32_t>, std::vector<int32_t>, int> before;
   {
     std::lock_guard<std::mutex> g(m.mu);
-    Impl::Conv& c = m.conv(conv);
+    Impl::Conv& c = m.resident(conv);  // a spilled conversation is mapped back first
     n_messages = c.messages.size();
     c.messages.emplace_back("user", user_text);
     before = {c.history, c.pending, c.seq};
@@ -1247,18 +1661,29 @@ std::vector<int32_t> Runner::generate(int conv, const std::vector<int32_t>& prom
   std::lock_guard<std::mutex> g(impl_->mu);
   cancel_.store(false);
   Impl& m = *impl_;
-  auto& c = m.conv(conv);
+  m.conv(conv);
   if (prompt_ids.empty()) throw RunnerError(ErrorCode::kArgument, "empty prompt: give at least one token.");
   for (int32_t t : prompt_ids)
     if (t < 0 || t >= m.vocab_size)
       throw RunnerError(ErrorCode::kArgument, "token id " + std::to_string(t) + " is outside the vocabulary (0.." +
                                                   std::to_string(m.vocab_size - 1) + ")");
+  auto& c = m.resident(conv);  // a spilled conversation is mapped back first (or prefilled again)
   std::vector<int32_t> toks = c.pending;
   toks.insert(toks.end(), prompt_ids.begin(), prompt_ids.end());
   int chunk = m.max_tokens_per_call;
   if (m.cfg.prefill_chunk > 0) chunk = std::min(chunk, m.cfg.prefill_chunk);
-  // the whole prompt up front: never a half-prefilled turn (a sliding group trims between the chunks)
-  const std::vector<int> need = m.pool->blocks_needed(c.seq, static_cast<int>(toks.size()), chunk);
+  // policy error: room for the whole prompt up front, never a half-prefilled turn (a sliding group trims
+  // between the chunks); adaptive: the rungs that keep every token for the whole prompt, and if that is not
+  // enough the calls slide (Engine.prefill); sliding: each call slides as it needs
+  if (m.adaptive()) {
+    try {
+      m.make_room(c, static_cast<int>(toks.size()), chunk, false, "a prompt");
+    } catch (const RunnerError& e) {
+      if (e.code() != ErrorCode::kPoolExhausted) throw;
+    }
+  }
+  const bool ladder = m.cfg.policy != "error";
+  const std::vector<int> need = ladder ? std::vector<int>{} : m.pool->blocks_needed(c.seq, static_cast<int>(toks.size()), chunk);
   for (size_t g = 0; g < need.size(); ++g) {
     const int free = m.pool->pool(g).num_free();
     if (need[g] > free)
@@ -1277,6 +1702,7 @@ std::vector<int32_t> Runner::generate(int conv, const std::vector<int32_t>& prom
   for (size_t a = 0; a < toks.size(); a += static_cast<size_t>(chunk)) {
     std::vector<int32_t> part(toks.begin() + static_cast<long>(a),
                               toks.begin() + static_cast<long>(std::min(toks.size(), a + static_cast<size_t>(chunk))));
+    if (ladder) m.make_room(c, static_cast<int>(part.size()), 0, true, "a call");
     logits = m.step(c, part);
   }
   m.prefill_tokens += static_cast<int64_t>(toks.size());
@@ -1307,6 +1733,7 @@ std::vector<int32_t> Runner::generate(int conv, const std::vector<int32_t>& prom
     }
     double t1 = now_s();
     try {
+      if (ladder) m.make_room(c, 1, 0, true, "a call");
       logits = m.step(c, {tok});
     } catch (...) {
       c.pending = {tok};

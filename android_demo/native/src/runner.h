@@ -8,6 +8,11 @@
 //   r.clear(c);                       // its blocks go back to the pool at once
 //   r.shrink(r.stats().used_blocks);  // onTrimMemory: drop the free part's pages
 //   r.save(c, files + "/chat.pkvc");  // onStop; on the next start: c = r.restore(files + "/chat.pkvc")
+//   r.compact(c, 1024);               // onTrimMemory, on a .pte with a compact region: aged blocks re-quantized
+//
+// Under memory pressure RunnerConfig::policy "adaptive" runs runtime_sim's ladder (compact aged blocks of idle
+// conversations, then of the active one; spill idle conversations to spill_dir; slide), counted in
+// stats().ladder; tests/test_runner_ladder.py drives the runner and runtime_sim's engine side by side.
 //
 // Plain C++17, no Android headers. Thread safety: one thread generates at a time (generate/clear/
 // shrink take the runner's lock); stats() and cancel() may be called from any thread at any time.
@@ -20,6 +25,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "block_manager.h"
@@ -38,6 +44,31 @@ struct RunnerConfig {
   std::string isa;                // "" = best available; "scalar", "neon", "neon-dotprod", "avx2" to force
   int prefill_chunk = 0;          // tokens per prefill call (0 = the .pte's max_tokens_per_call)
   int fail_allocation_at = -1;    // tests: make the allocation of this arena fail
+  // What happens when a call needs blocks that are not free (runtime_sim's Engine policies, same rungs in
+  // the same order): "error" = RunnerError(kPoolExhausted), nothing changed; "sliding" = the active
+  // conversation drops its oldest default block after the first sink_blocks (its K/V lost, positions kept);
+  // "adaptive" = the ladder: compact aged blocks (those ending >= compact_horizon tokens back) of idle
+  // conversations, least recently used first, then of the active one (needs a .pte with a compact region),
+  // then spill idle conversations to spill_dir (restored without prefill on their next use), then slide.
+  std::string policy = "error";
+  int compact_horizon = 1024;     // adaptive: recent tokens a conversation keeps in the default region
+  int sink_blocks = 0;            // sliding / adaptive: leading blocks never dropped (0 = max(1, the spec's sink_blocks))
+  std::string spill_dir;          // adaptive: where idle conversations are spilled ("" = no spill rung)
+};
+
+// The pressure ladder's rungs, each counted when taken (runtime_sim Engine.stats()["ladder"], same names).
+struct LadderStats {
+  std::string policy = "error";
+  int64_t slides = 0;             // one old block of the active conversation dropped (its K/V lost)
+  int64_t spills = 0;             // an idle conversation written to its spill file, its blocks freed
+  int64_t spill_bytes = 0;        // bytes written by those spills
+  int64_t spill_failures = 0;     // a spill file could not be written (the next rung was taken)
+  int64_t restores_from_spill = 0;  // a spilled conversation mapped back without prefill
+  int64_t spill_reprefills = 0;   // a spill file was unreadable (or its compact blocks found no room); prefilled again
+  int spilled_now = 0;            // conversations whose cache lies in a spill file now
+  int64_t compactions = 0;        // one conversation's aged blocks re-quantized into the compact region
+  int64_t compacted_blocks = 0;   // blocks those compactions moved (each freed one default block)
+  int compact_blocks_in_use = 0;  // compact blocks held now
 };
 
 struct Sampling {
@@ -82,9 +113,10 @@ struct PoolStats {
   std::vector<GroupStats> groups;  // per layer group; empty for a model without sliding layers
   // the compact region (a .pte exported with --compact-blocks N; issue 25): blocks of it and its bytes,
   // all its layers (allocated once at startup, counted in reserved/committed bytes and in
-  // pool_fixed_bytes); 0 without one. The runner does not compact blocks yet: none of them is used.
+  // pool_fixed_bytes); 0 without one. ladder.compact_blocks_in_use: the ones conversations hold.
   int compact_blocks = 0;
   int64_t compact_bytes = 0;
+  LadderStats ladder;
 };
 
 // Resident bytes of the runner's own mappings now (mincore), for a whole-process breakdown.
@@ -159,6 +191,16 @@ class Runner {
   MemoryUse memory_use() const;  // any thread; the arenas do not move after construction
   void check_invariants() const;
   int conversation_length(int conv) const;  // tokens in the cache
+  // The compact tier (issue 25; runtime_sim.compact.compact_aged): move conv's aged blocks, from past the
+  // sink to the last block ending at least `horizon` tokens back, default blocks of the global group, into
+  // free blocks of the compact region while it has any, oldest first: each block's records re-quantized
+  // from the pool's spec to the compact spec in every global layer, the block table naming the compact
+  // block, the default block freed. Returns (logical block, default id, compact id) of each block moved
+  // (ids as in the block table: compact ids from num_blocks). RunnerError(kArgument) for a .pte without a
+  // compact region or a horizon < 1; kState for a conversation in a spill file.
+  std::vector<std::tuple<int, int, int>> compact(int conv, int horizon);
+  // Logical blocks of conv's global group: 0 = hole, 1 = default region, 2 = compact region (tests, CLI).
+  std::vector<uint8_t> block_kinds(int conv) const;
 
   // Save / restore a conversation (toolkit/CONVERSATION_FORMAT.md, the format runtime_sim's Engine.save
   // and Engine.restore read and write). save writes conv's blocks as they lie in the pool (every layer

@@ -15,6 +15,13 @@
 // toolkit/CONVERSATION_FORMAT.md: Engine.save or --save), without prefill; its tokens must be the first
 // ones of the prompt, and only the rest of the prompt is fed. --save FILE: after the run, the
 // conversation (its blocks, tokens and pending token) is written to FILE (--json: "saved_bytes").
+// --policy error|sliding|adaptive (default error): what happens when a call needs blocks that are not
+// free (RunnerConfig::policy; the pool must then hold --ctx + --decode only with policy error);
+// --compact-horizon N: adaptive's compact rung moves blocks ending >= N tokens back (default 1024);
+// --spill-dir DIR: adaptive's spill rung writes idle conversations there (one conversation here: never
+// taken, kept for the app's runner). --json reports "ladder" (the rungs taken, runtime_sim's
+// Engine.stats()["ladder"] names) and "block_kinds" (the conversation's global blocks: 0 hole, 1 default,
+// 2 compact).
 // Bad input: one line on stderr naming the problem and the fix, exit 2.
 #include <unistd.h>
 
@@ -43,7 +50,8 @@ namespace {
 const char* kUsage =
     "usage: pagedkv-runner ARTIFACTS --prompt-file F --ctx N --decode N [--threads N] [--budget-mb M] "
     "[--prefill-chunk N] "
-    "[--isa NAME] [--json] [--restore FILE] [--save FILE]";
+    "[--isa NAME] [--json] [--restore FILE] [--save FILE] [--policy error|sliding|adaptive] [--compact-horizon N] "
+    "[--spill-dir DIR]";
 
 int64_t parse_int(const std::string& flag, const char* v, int64_t lo) {
   char* end = nullptr;
@@ -96,8 +104,8 @@ double now_s() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string art, prompt_file, isa, save_path, restore_path;
-  int64_t ctx = -1, decode = -1, threads = 0, budget_mb = 0;
+  std::string art, prompt_file, isa, save_path, restore_path, policy = "error", spill_dir;
+  int64_t ctx = -1, decode = -1, threads = 0, budget_mb = 0, horizon = 1024;
   bool json = false;
   int64_t prefill_chunk = 0;  // tokens per prefill call (RunnerConfig::prefill_chunk; 0: the .pte's maximum)
   for (int i = 1; i < argc; ++i) {
@@ -116,6 +124,9 @@ int main(int argc, char** argv) {
     else if (a == "--json") json = true;
     else if (a == "--save") save_path = value();
     else if (a == "--restore") restore_path = value();
+    else if (a == "--policy") policy = value();
+    else if (a == "--compact-horizon") horizon = parse_int(a, value(), 1);
+    else if (a == "--spill-dir") spill_dir = value();
     else if (a == "-h" || a == "--help") { std::printf("%s\n", kUsage); return 0; }
     else if (!a.empty() && a[0] == '-') fail("unknown option " + a + ": " + kUsage);
     else if (art.empty()) art = a;
@@ -138,6 +149,9 @@ int main(int argc, char** argv) {
     cfg.num_threads = static_cast<int>(threads);
     cfg.prefill_chunk = static_cast<int>(prefill_chunk);
     cfg.isa = isa;
+    cfg.policy = policy;
+    cfg.compact_horizon = static_cast<int>(std::min<int64_t>(horizon, 1 << 30));
+    cfg.spill_dir = spill_dir;
     const double t_load = now_s();
     Runner r(cfg);
     const double load_s = now_s() - t_load;
@@ -154,7 +168,7 @@ int main(int argc, char** argv) {
 
     // a pool whose group 0 is global must hold every token; a model with only sliding layers holds a
     // window per conversation whatever the length (its pool was sized for that at export)
-    if (const PoolStats s0 = r.stats(); s0.groups.empty() || s0.groups[0].window == 0) {
+    if (const PoolStats s0 = r.stats(); policy == "error" && (s0.groups.empty() || s0.groups[0].window == 0)) {
       const int64_t room = static_cast<int64_t>(s0.usable_blocks) * s0.block_size;
       if (ctx + decode > room)
         fail("--ctx " + std::to_string(ctx) + " + --decode " + std::to_string(decode) + " tokens do not fit the pool: " +
@@ -183,6 +197,8 @@ int main(int argc, char** argv) {
       return true;
     });
     const double total_s = now_s() - t0;
+    r.check_invariants();
+    const std::vector<uint8_t> kinds = r.block_kinds(conv);
     const int64_t saved_bytes = save_path.empty() ? 0 : r.save(conv, save_path);
     PoolStats st = r.stats();
     MemoryUse mu = r.memory_use();
@@ -216,6 +232,16 @@ int main(int argc, char** argv) {
         }
         std::printf("], ");
       }
+      const LadderStats& l = st.ladder;  // the pressure ladder's rungs taken
+      std::printf("\"ladder\": {\"policy\": \"%s\", \"slides\": %lld, \"spills\": %lld, \"spill_bytes\": %lld, "
+                  "\"spill_failures\": %lld, \"restores_from_spill\": %lld, \"spill_reprefills\": %lld, "
+                  "\"spilled_now\": %d, \"compactions\": %lld, \"compacted_blocks\": %lld, "
+                  "\"compact_blocks_in_use\": %d}, \"block_kinds\": [",
+                  l.policy.c_str(), (long long)l.slides, (long long)l.spills, (long long)l.spill_bytes,
+                  (long long)l.spill_failures, (long long)l.restores_from_spill, (long long)l.spill_reprefills,
+                  l.spilled_now, (long long)l.compactions, (long long)l.compacted_blocks, l.compact_blocks_in_use);
+      for (size_t i = 0; i < kinds.size(); ++i) std::printf("%s%d", i ? ", " : "", kinds[i]);
+      std::printf("], ");
       if (!restore_path.empty()) std::printf("\"restored_tokens\": %zu, ", restored);
       if (!save_path.empty()) std::printf("\"saved_bytes\": %lld, ", (long long)saved_bytes);
       std::printf("\"generated\": [");

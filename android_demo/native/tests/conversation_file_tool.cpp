@@ -63,7 +63,7 @@ static void dump(const ConversationFile& f) {
 }
 
 // The pool description the Android runner checks a file against (Runner::Impl::describe_pool): the
-// file's own identity, no tokens or blocks, and no compact region (the runner has none yet).
+// file's own identity, no tokens or blocks, and no compact region (the runner on a .pte exported without one).
 static ConversationFile runner_pool(const ConversationFile& f) {
   ConversationFile want;
   want.model_sha256 = f.model_sha256;

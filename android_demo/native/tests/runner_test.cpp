@@ -4,6 +4,7 @@
 // greedy tokens for each prompt, fp32 pool).
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -107,8 +108,112 @@ static int requantize_tool(char** argv) {
   return out ? 0 : 2;
 }
 
+
+// runner_test --ladder ARTIFACTS SCRIPT OUT: a Runner driven by a script of calls, for tests comparing it
+// with runtime_sim's engine (tests/test_runner_ladder.py). SCRIPT (JSON): {"policy", "horizon", "spill_dir",
+// "threads", "steps": [{"op": "new"} | {"op": "generate", "conv", "ids", "decode"} | {"op": "save", "conv",
+// "path"} | {"op": "restore", "path"} | {"op": "compact", "conv", "horizon"} | {"op": "close", "conv"}]}. OUT
+// (JSON): per step its result ("tokens" / "conv" / "bytes" / "moved", or "error" and "code" of the
+// RunnerError it threw) and the pool after it ("ladder" counters, "used", "free", "free_compact",
+// "sequences", "kinds": each conversation's global blocks 0 hole / 1 default / 2 compact, [] if spilled).
+// The pool's invariants are checked after every step (a broken one: exit 1).
+static std::string json_str(const std::string& s) {
+  std::string o = "\"";
+  for (unsigned char ch : s) {
+    if (ch == '"' || ch == '\\') o += '\\', o += static_cast<char>(ch);
+    else if (ch < 0x20) o += ' ';
+    else o += static_cast<char>(ch);
+  }
+  return o + "\"";
+}
+
+static int ladder_tool(char** argv) {
+  std::ifstream f(argv[3]);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const Json script = Json::parse(ss.str());
+  RunnerConfig c;
+  c.artifacts_dir = argv[2];
+  c.policy = script["policy"].as_string();
+  c.compact_horizon = static_cast<int>(script["horizon"].as_int());
+  if (const Json* d = script.find("spill_dir")) c.spill_dir = d->as_string();
+  if (const Json* t = script.find("threads")) c.num_threads = static_cast<int>(t->as_int());
+  Runner r(c);
+  std::vector<int> convs;
+  std::string out = "{\"steps\": [";
+  size_t k = 0;
+  for (const Json& st : script["steps"].items()) {
+    const std::string op = st["op"].as_string();
+    std::string res;
+    try {
+      if (op == "new") {
+        convs.push_back(r.new_conversation());
+        res = "\"conv\": " + std::to_string(convs.back());
+      } else if (op == "generate") {
+        Sampling greedy;
+        greedy.ignore_stop = true;
+        const auto toks = r.generate(static_cast<int>(st["conv"].as_int()), ints(st["ids"]),
+                                     static_cast<int>(st["decode"].as_int()), greedy, nullptr);
+        res = "\"tokens\": [";
+        for (size_t i = 0; i < toks.size(); ++i) res += (i ? "," : "") + std::to_string(toks[i]);
+        res += "]";
+      } else if (op == "save") {
+        res = "\"bytes\": " + std::to_string(r.save(static_cast<int>(st["conv"].as_int()), st["path"].as_string()));
+      } else if (op == "restore") {
+        convs.push_back(r.restore(st["path"].as_string()));
+        res = "\"conv\": " + std::to_string(convs.back());
+      } else if (op == "compact") {
+        const auto moved = r.compact(static_cast<int>(st["conv"].as_int()), static_cast<int>(st["horizon"].as_int()));
+        res = "\"moved\": [";
+        for (size_t i = 0; i < moved.size(); ++i) res += (i ? "," : "") + std::to_string(std::get<0>(moved[i]));
+        res += "]";
+      } else if (op == "close") {
+        const int id = static_cast<int>(st["conv"].as_int());
+        r.close(id);
+        convs.erase(std::find(convs.begin(), convs.end(), id));
+        res = "\"closed\": " + std::to_string(id);
+      } else {
+        std::fprintf(stderr, "unknown op %s\n", op.c_str());
+        return 2;
+      }
+    } catch (const RunnerError& e) {
+      res = "\"error\": " + json_str(e.what()) + ", \"code\": " + std::to_string(static_cast<int>(e.code()));
+    }
+    try {
+      r.check_invariants();
+    } catch (const RunnerError& e) {
+      std::fprintf(stderr, "invariant broken after step %zu (%s): %s\n", k, op.c_str(), e.what());
+      return 1;
+    }
+    const PoolStats p = r.stats();
+    const LadderStats& l = p.ladder;
+    out += std::string(k++ ? ", " : "") + "{\"op\": \"" + op + "\", " + res + ", \"ladder\": {\"slides\": " +
+           std::to_string(l.slides) + ", \"spills\": " + std::to_string(l.spills) + ", \"spill_bytes\": " +
+           std::to_string(l.spill_bytes) + ", \"spill_failures\": " + std::to_string(l.spill_failures) +
+           ", \"restores_from_spill\": " + std::to_string(l.restores_from_spill) + ", \"spill_reprefills\": " +
+           std::to_string(l.spill_reprefills) + ", \"spilled_now\": " + std::to_string(l.spilled_now) +
+           ", \"compactions\": " + std::to_string(l.compactions) + ", \"compacted_blocks\": " +
+           std::to_string(l.compacted_blocks) + ", \"compact_blocks_in_use\": " + std::to_string(l.compact_blocks_in_use) +
+           "}, \"used\": " + std::to_string(p.used_blocks) + ", \"free\": " + std::to_string(p.free_blocks) +
+           ", \"free_compact\": " + std::to_string(p.compact_blocks - l.compact_blocks_in_use) + ", \"sequences\": " +
+           std::to_string(p.sequences) + ", \"kinds\": {";
+    for (size_t i = 0; i < convs.size(); ++i) {
+      const auto kinds = r.block_kinds(convs[i]);
+      out += (i ? ", " : "") + std::string("\"") + std::to_string(convs[i]) + "\": [";
+      for (size_t j = 0; j < kinds.size(); ++j) out += (j ? "," : "") + std::to_string(kinds[j]);
+      out += "]";
+    }
+    out += "}}";
+  }
+  out += "]}\n";
+  std::ofstream o(argv[4]);
+  o << out;
+  return o ? 0 : 2;
+}
+
 int main(int argc, char** argv) {
   if (argc == 8 && std::string(argv[1]) == "--requantize") return requantize_tool(argv);
+  if (argc == 5 && std::string(argv[1]) == "--ladder") return ladder_tool(argv);
   if (argc < 2) {
     std::fprintf(stderr, "usage: runner_test FIXTURES_DIR [--expect-isa NAME] [--no-rss] [--tokens-out FILE]\n");
     return 2;

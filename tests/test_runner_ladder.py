@@ -1,0 +1,267 @@
+"""The Android runner's pressure ladder with the compact tier (issue 25), against runtime_sim's engine.
+
+A tiny llama exported to .pte with the default KV spec, a pool of 10 default blocks of 16 tokens and a
+compact region of 8 (`--compact-blocks 8`), runs in the runner (pagedkv-runner, or runner_test --ladder
+for several conversations) and in runtime_sim's ExecuTorch engine on the same program, both with policy
+adaptive and a compact horizon of 32 tokens. The pool is small enough that every rung is taken: aged
+blocks of the active and of idle conversations re-quantized into the compact region, idle
+conversations spilled and mapped back, the last rung sliding. Checked:
+  - the same greedy tokens, the same rungs counted (Engine.stats()["ladder"] names), the same kinds of
+    block in each conversation's table (hole / default / compact), and the pool's invariants after every
+    step on both sides;
+  - the conversation file the runner saves after that run is byte for byte the Python engine's file
+    (tokens, default records, compact records re-quantized by C++ requantize_records, stage rows), and
+    the Python engine that restores it gives the next token's logits bit for bit;
+  - a compacted file the Python engine saved is restored by the runner, which continues with its own
+    greedy tokens;
+  - bad files (truncated, another compact spec, more compact blocks than the region has free): one error,
+    the pool and every conversation as they were.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import zlib
+
+import numpy as np
+import pytest
+
+from tests.native_build import build, need, tiny_pte_fixtures
+
+POOL_TOKENS, COMPACT_BLOCKS, HORIZON = 160, 8, 32  # 10 default blocks, 8 compact ones
+CTX, DECODE = 200, 100  # 300 tokens in 10 + 8 blocks: two compactions, then the compact region is full: a slide
+SPLIT = 192  # Python prefills 192 tokens (six calls of 32, one compaction), the runner restores and goes on
+CHAT_APP = b'{"system_prompt": null, "messages": []}'  # what the runner stores for a conversation without chat
+LADDER_KEYS = ("slides", "spills", "spill_bytes", "spill_failures", "restores_from_spill", "spill_reprefills",
+               "spilled_now", "compactions", "compacted_blocks", "compact_blocks_in_use")
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory, wikitext):
+    out = tmp_path_factory.mktemp("runner-ladder")
+    return tiny_pte_fixtures(out, wikitext, "--spec", "default", "--pool-tokens", str(POOL_TOKENS),
+                             "--compact-blocks", str(COMPACT_BLOCKS)) / "artifacts"
+
+
+@pytest.fixture(scope="module")
+def host():
+    need("g++", "javac")
+    return build("host")
+
+
+def engine(art, spill_dir=None):
+    """runtime_sim's ExecuTorch engine on the artifacts, with the runner's ladder settings."""
+    from runtime_sim.session import open_artifacts
+
+    e = open_artifacts(art, "executorch", threads=1, policy="adaptive")
+    e.compact_horizon = HORIZON
+    if spill_dir is not None:
+        e.spill_dir = spill_dir
+    return e
+
+
+def kinds(e, cid) -> list[int]:
+    """A conversation's global block table as kinds: 0 hole, 1 default, 2 compact ([] if spilled)."""
+    conv = e.conversations[cid]
+    if conv.spill is not None:
+        return []
+    n = e.pool.main.num_blocks
+    return [0 if b < 0 else 1 if b < n else 2 for b in e.pool.block_table(conv.seq)]
+
+
+def runner_cli(host, art, wikitext, *extra):
+    cmd = [host / "pagedkv-runner", art, "--prompt-file", wikitext, "--ctx", str(CTX), "--decode", str(DECODE),
+           "--threads", "1", "--json", "--policy", "adaptive", "--compact-horizon", str(HORIZON), *extra]
+    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def runner_run(host, art, wikitext, tmp_path_factory):
+    """One runner run under the ladder, saved: its JSON result, the file, and its prompt's ids."""
+    from runtime_sim import conversation_file as cf
+
+    saved = tmp_path_factory.mktemp("runner-ladder-saved") / "runner.pkvc"
+    r = runner_cli(host, art, wikitext, "--save", saved)
+    return r, saved, cf.read(saved).tokens[:CTX]
+
+
+def test_runner_ladder_compacts_like_runtime_sim(runner_run, art, tmp_path):
+    from runtime_sim import conversation_file as cf
+
+    r, saved, ids = runner_run
+    # every rung the pool forces: two compactions of the active conversation fill the compact region, then a slide
+    lad = r["ladder"]
+    assert lad["policy"] == "adaptive" and lad["compactions"] >= 2 and lad["slides"] >= 1
+    assert lad["compact_blocks_in_use"] == COMPACT_BLOCKS and lad["compacted_blocks"] == COMPACT_BLOCKS
+    assert set(r["block_kinds"]) == {0, 1, 2}  # a mixed table: the sink, compact blocks, a dropped one, recent ones
+
+    ref = engine(art)
+    c = ref.new_conversation()
+    assert list(ref.generate(c, ids, DECODE)) == r["generated"]
+    ref.check_invariants()
+    assert {k: ref.stats()["ladder"][k] for k in LADDER_KEYS} == {k: lad[k] for k in LADDER_KEYS}
+    assert kinds(ref, c) == r["block_kinds"]
+    # the whole file: tokens, default records, the compact records C++ re-quantized, stage rows
+    ours = tmp_path / "python.pkvc"
+    ref.save(c, ours, app=CHAT_APP)
+    d = cf.read(saved)
+    assert d.n_compact == COMPACT_BLOCKS and d.compact is not None
+    assert saved.read_bytes() == ours.read_bytes()
+
+    # Python restores the runner's compacted file: the next token's logits are the uninterrupted engine's
+    eng = engine(art)
+    cr = eng.restore(saved)
+    assert eng.counters.prefill_tokens == 0 and kinds(eng, cr) == kinds(ref, c)
+    got = eng.step({cr: []})[cr]
+    want = ref.step({c: []})[c]
+    assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+def test_python_compacted_file_restored_by_runner(host, runner_run, art, wikitext, tmp_path):
+    plain, _, ids = runner_run
+    eng = engine(art)
+    c = eng.new_conversation()
+    eng.prefill(c, ids[:SPLIT])
+    assert eng.stats()["ladder"]["compactions"] == 1 and 2 in kinds(eng, c)  # compacted before it is saved
+    saved = tmp_path / "python.pkvc"
+    eng.save(c, saved)
+    r = runner_cli(host, art, wikitext, "--restore", saved)
+    assert r["restored_tokens"] == SPLIT
+    assert r["generated"] == plain["generated"]
+    assert r["block_kinds"] == plain["block_kinds"]
+    assert r["ladder"]["compactions"] == plain["ladder"]["compactions"] - 1  # the first one came with the file
+
+
+# ---------------------------------------------------------------------------------------------------
+# Several conversations: runner_test --ladder runs a script of calls on the runner, the same calls run on
+# the engine; after every step the same result and the same pool.
+
+def run_script(host, art, script, tmp_path) -> list[dict]:
+    path, out = tmp_path / "script.json", tmp_path / "out.json"
+    path.write_text(json.dumps(script))
+    p = subprocess.run([str(host / "runner_test"), "--ladder", str(art), str(path), str(out)], capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(out.read_text())["steps"]
+
+
+def python_steps(e, steps) -> list[dict]:
+    """The script's steps on the engine, in the runner_test --ladder output's form (errors: None)."""
+    from toolkit.errors import PagedKVError
+
+    out, convs = [], []
+    for st in steps:
+        res = {"op": st["op"]}
+        try:
+            if st["op"] == "new":
+                convs.append(e.new_conversation())
+                res["conv"] = convs[-1]
+            elif st["op"] == "generate":
+                res["tokens"] = list(e.generate(st["conv"], st["ids"], st["decode"]))
+            elif st["op"] == "save":
+                res["bytes"] = e.save(st["conv"], st["path"])
+            elif st["op"] == "restore":
+                convs.append(e.restore(st["path"]))
+                res["conv"] = convs[-1]
+        except PagedKVError as err:
+            res["error"] = str(err)
+        e.check_invariants()
+        s = e.stats()
+        res["ladder"] = {k: s["ladder"][k] for k in LADDER_KEYS}
+        res["used"], res["free"] = s["used_blocks"], s["free_blocks"]
+        res["free_compact"] = e.pool.main.num_free_compact_blocks
+        res["sequences"] = len(e.pool.live_sequences())
+        res["kinds"] = {str(c): kinds(e, c) for c in convs}
+        out.append(res)
+    return out
+
+
+def comparable(step: dict) -> dict:
+    """A step without what differs by design: error texts (each side words its own) and save's file size
+    (the runner's file carries the chat's messages as app bytes)."""
+    return {k: (v is not None) if k == "error" else v for k, v in step.items() if k not in ("code", "bytes")}
+
+
+@pytest.fixture(scope="module")
+def prompts(runner_run):
+    """200 token ids of wikitext (the runner's prompt above, as its tokenizer encoded it)."""
+    return list(runner_run[2])
+
+
+def test_two_conversations_ladder_twin(host, art, prompts, tmp_path):
+    """Idle compaction, active compaction, spills and mapping back, save/restore under pressure: the runner
+    and the engine agree after every step."""
+    a, b = prompts[:100], prompts[100:160]
+    runner_dir, py_dir = tmp_path / "runner-spill", tmp_path / "py-spill"
+    runner_dir.mkdir()
+    py_dir.mkdir()
+    steps = [{"op": "new"}, {"op": "new"},
+             {"op": "generate", "conv": 0, "ids": a, "decode": 20},
+             {"op": "generate", "conv": 1, "ids": b, "decode": 20},  # compacts idle conversation 0 first
+             {"op": "generate", "conv": 0, "ids": prompts[160:200], "decode": 10},
+             {"op": "generate", "conv": 1, "ids": prompts[:30], "decode": 30},
+             {"op": "generate", "conv": 0, "ids": prompts[30:60], "decode": 30},
+             {"op": "generate", "conv": 1, "ids": prompts[60:70], "decode": 10}]
+    script = {"policy": "adaptive", "horizon": HORIZON, "threads": 1, "spill_dir": str(runner_dir), "steps": steps}
+    got = run_script(host, art, script, tmp_path)
+    want = python_steps(engine(art, spill_dir=py_dir), steps)
+    assert len(got) == len(want) == len(steps)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert comparable(g) == comparable(w), f"step {i} {steps[i]['op']}"
+    last = got[-1]["ladder"]
+    # the script is sized so that every rung of the ladder but the last is taken
+    assert last["compactions"] >= 2 and last["spills"] >= 1 and last["restores_from_spill"] >= 1, last
+
+
+def _set_u32(data: bytes, offset: int, value: int) -> bytes:
+    """data with the u32 at offset replaced and the trailing CRC-32 recomputed (a consistent file)."""
+    body = bytearray(data[:-4])
+    body[offset:offset + 4] = struct.pack("<I", value)
+    return bytes(body) + struct.pack("<I", zlib.crc32(bytes(body)))
+
+
+def test_bad_files_leave_the_pool_intact(host, art, prompts, tmp_path):
+    """A compacted file (Python: 120 tokens, 5 aged blocks compacted with compact_aged) restores into the
+    runner; then a truncated copy, one of another compact spec (a consistent file: CRC recomputed) and the
+    good file again (a free slot and free default blocks, but 5 compact blocks wanted and 3 free) are each
+    one error, the pool and every conversation as they were; a new conversation then starts."""
+    from runtime_sim.compact import compact_aged
+    from toolkit.errors import PagedKVError
+
+    e = engine(art)
+    c = e.new_conversation()
+    e.prefill(c, prompts[:120])
+    assert len(compact_aged(e, c, 16)) == 5
+    good = tmp_path / "good.pkvc"
+    e.save(c, good)
+    data = good.read_bytes()
+    compact_spec_at = 112  # CONVERSATION_FORMAT.md "Compact blocks": compact_spec starts at byte 112
+    sink_field = compact_spec_at + 8 * 4  # the compact spec's sink_blocks: no record size depends on it
+    files = {"truncated": data[:-100], "other-compact-spec": _set_u32(data, sink_field,
+                                                                       1 - struct.unpack_from("<I", data, sink_field)[0])}
+    for name, blob in files.items():
+        (tmp_path / f"{name}.pkvc").write_bytes(blob)
+    steps = [{"op": "restore", "path": str(good)},
+             {"op": "restore", "path": str(tmp_path / "truncated.pkvc")},
+             {"op": "restore", "path": str(tmp_path / "other-compact-spec.pkvc")},
+             {"op": "restore", "path": str(good)},
+             {"op": "new"}]
+    script = {"policy": "error", "horizon": HORIZON, "threads": 1, "steps": steps}
+    got = run_script(host, art, script, tmp_path)
+    assert "error" not in got[0] and got[0]["ladder"]["compact_blocks_in_use"] == 5
+    assert got[0]["kinds"]["0"] == kinds(e, c) == [1, 2, 2, 2, 2, 2, 1, 1]
+    before = {k: got[0][k] for k in ("used", "free", "free_compact", "sequences", "kinds", "ladder")}
+    for i, needle in [(1, "truncated"), (2, "compact region is"), (3, "compact-tier block(s)")]:
+        assert "error" in got[i] and needle in got[i]["error"] and "\n" not in got[i]["error"], got[i]
+        assert {k: got[i][k] for k in before} == before, f"step {i} changed the pool"
+    assert got[3]["code"] == 3 and got[3]["free"] > 0  # kPoolExhausted by the compact region alone
+    assert "error" not in got[4] and got[4]["sequences"] == 2
+    # Python refuses the same files
+    for name in files:
+        with pytest.raises(PagedKVError):
+            e.restore(tmp_path / f"{name}.pkvc")
+    e.check_invariants()
