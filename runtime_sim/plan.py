@@ -364,8 +364,11 @@ def whole_process_estimate(art_dir, pool_bytes: int | None = None, runtime: str 
 
     * weights: the model file's size. The runner maps the .pte (ExecuTorch Module, LoadMode::Mmap);
       XNNPACK packs the linears' weights into its heap and frees their pages of the file, the rest
-      (e.g. the token embedding, gathered by a portable or quantized kernel) is read from the mapping:
-      either way each weight byte is resident about once. onnxruntime reads the .onnx into its heap.
+      (e.g. the token embedding, gathered by a portable or quantized kernel) is read from the mapping,
+      which the runner unmaps before each call (android_demo/native/src/mapped_pages.h: one call's rows
+      resident, not the table). The file size still lands near the peak: XNNPACK's packed copies take
+      more than the file's bytes (SmolLM2 8da4w-asym-e8h8 v2 at 8K: estimate 222 MiB, measured 223 MiB,
+      benchmarks/results/device_8k.json). onnxruntime reads the .onnx into its heap.
     * pool: the KV pool the budget commits (pool_bytes, at most the exported pool's total_bytes).
     * activations: the .pte's planned activation arena (sized by its max_tokens_per_call), or for
       onnxruntime the same estimate from the logits of one prefill chunk.
