@@ -1,5 +1,9 @@
 // The attention loop, written once and instantiated per code path with an `Ops` struct that
 // provides the vector primitives. Included (once) by each per-ISA translation unit.
+// The AVX2 and NEON paths get their Ops from pagedkv_attn_fused.h (fused::FusedOps<V>: the shapes
+// below written once over a thin vector wrapper V, pagedkv_vec_avx2.h / pagedkv_vec_neon.h); the
+// AVX-512 paths keep their own (pagedkv_core_avx512.cpp: 16-lane masks, VNNI); the scalar path uses the
+// generic members only.
 //
 // Ops must provide (static):
 //   float dot(const float* a, const float* b, int n);

@@ -1,6 +1,8 @@
 // NEON dotprod attention path (this file alone is compiled with -march=armv8.2-a+dotprod; the caller
-// checks getauxval(AT_HWCAP) & HWCAP_ASIMDDP before selecting it). Quantized 8/4-bit blocks take the
-// fused path: K scores with int8 `sdot`, V accumulation and softmax in fp32 (pagedkv_neon_ops.h).
+// checks getauxval(AT_HWCAP) & HWCAP_ASIMDDP before selecting it): the plain NEON path's shapes
+// (pagedkv_attn_fused.h on pagedkv_vec_neon.h: runs of up to 64 keys, prefetch, row-wise softmax with the
+// lazy running maximum, fp32 V sums in registers) with the K scores of 8/4-bit codes as int8 `sdot`
+// (vdotq_s32) dot products, the way the avx512-vnni path does its K dots with vpdpbusd.
 //
 // Integer scores at fp32 accuracy: per (query head, K group) q is scaled by a power of two s with
 // max|q| / s <= 127 * 65536 and rounded, Q = round(q / s) (|Q| < 2^23, so the rounding error is at
@@ -11,14 +13,19 @@
 // Asymmetric K: s_k u + z = s_k (u - 2^(b-1)) + (z + 2^(b-1) s_k), so the score adds
 // (z + 2^(b-1) s_k) * sum(q); the centred form avoids the cancellation of s_k u against z (measured
 // 2-3x closer to the exact dot than s_k * dot(q, u) + z * sum(q)).
+// Per key pair, 16 dims and head: 3 limbs x 2 keys = 6 independent sdot chains (24 for a tile of 4
+// heads), one code load per key for all heads.
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
-#include "pagedkv_neon_ops.h"
+#include "pagedkv_vec_neon.h"
+#include "pagedkv_attn_fused.h"
 
 namespace pagedkv {
 namespace {
+
+using impl::QuantRun;
 
 // The query as q_scores reads it, written by q_prepare into Attend's qk scratch (2 * G * D floats):
 //   limbs int8  [G][D / 16][3][16]  a, b, c of 16 dims (4-bit K: even dims then odd dims, the order
@@ -99,8 +106,8 @@ inline int32x4_t hsum4(int32x4_t v0, int32x4_t v1, int32x4_t v2, int32x4_t v3) {
 // score = scale * sum_groups (s_k * s_q * (65536 A + 256 B + C) [+ (z_k + 2^(b-1) s_k) * sum(q)]),
 // where A, B, C are the int32 dot products of the limbs with the centred codes.
 template <int BITS, bool SYM, int GN, int NK>
-inline void scores_keys(const QuantRun& r, const uint8_t* c0, const float* m0, const QPrep& qp, int g0,
-                        const float* qsum, float scale, float* sc, int ldsc, int i) {
+inline void scores_keys(const QuantRun& r, const uint8_t* c0, const uint8_t* c1, const float* m0, const QPrep& qp,
+                        int g0, const float* qsum, float scale, float* sc, int ldsc, int i) {
   const int D = r.D, kg = r.k_group, ngk = D / kg;
   const int8_t* ql = qp.limbs + (size_t)g0 * D * 3;
   float32x4_t tot[NK];  // lanes: heads g0..g0+3
@@ -112,7 +119,7 @@ inline void scores_keys(const QuantRun& r, const uint8_t* c0, const float* m0, c
         for (int l = 0; l < 3; ++l) acc[k][g][l] = vdupq_n_s32(0);
     for (int j = gi * kg; j < (gi + 1) * kg; j += 16) {
       int8x16_t x[NK];
-      for (int k = 0; k < NK; ++k) x[k] = load16k<BITS>(c0 + (size_t)k * r.W, j);
+      for (int k = 0; k < NK; ++k) x[k] = load16k<BITS>(k ? c1 : c0, j);
       for (int g = 0; g < GN; ++g) {
         const int8_t* qg = ql + ((size_t)g * D + j) * 3;
         for (int l = 0; l < 3; ++l) {
@@ -148,13 +155,18 @@ inline void scores_keys(const QuantRun& r, const uint8_t* c0, const float* m0, c
 
 template <int BITS, bool SYM, int GN>
 void scores_tile(const QuantRun& r, const QPrep& qp, int g0, const float* qsum, float scale, float* sc, int ldsc) {
+  fused::Prefetcher<VecNeon> pre(r, g0 == 0);
   int i = 0;
-  for (; i + 2 <= r.n; i += 2)
-    scores_keys<BITS, SYM, GN, 2>(r, r.codes + (size_t)i * r.W, r.metaf + (size_t)i * r.Ws, qp, g0, qsum, scale, sc,
+  for (; i + 2 <= r.n; i += 2) {
+    pre.step();
+    scores_keys<BITS, SYM, GN, 2>(r, r.rec(i), r.rec(i + 1), r.metaf + (size_t)i * r.Ws, qp, g0, qsum, scale, sc,
                                   ldsc, i);
-  if (i < r.n)
-    scores_keys<BITS, SYM, GN, 1>(r, r.codes + (size_t)i * r.W, r.metaf + (size_t)i * r.Ws, qp, g0, qsum, scale, sc,
-                                  ldsc, i);
+  }
+  if (i < r.n) {
+    pre.step();
+    scores_keys<BITS, SYM, GN, 1>(r, r.rec(i), r.rec(i), r.metaf + (size_t)i * r.Ws, qp, g0, qsum, scale, sc, ldsc,
+                                  i);
+  }
 }
 
 template <int BITS, bool SYM>
@@ -164,8 +176,8 @@ void scores_all(const QuantRun& r, const QPrep& qp, const float* qsum, int G, fl
   });
 }
 
-struct NeonDotOps : NeonFusedOps {
-  static constexpr bool kFastQuant = true;
+// The plain NEON path with its own K scores
+struct NeonDotOps : fused::FusedOps<VecNeon> {
 
   static void q_prepare(const float* q, int G, int D, int k_bits, int k_group, float* out) {
     QPrep qp(out, G, D);
@@ -179,8 +191,7 @@ struct NeonDotOps : NeonFusedOps {
   }
   // q is what q_prepare wrote
   static void q_scores(const QuantRun& r, const float* q, const float* qsum, int G, float scale, float* sc, int ldsc) {
-    // the run's fp16 scales/zeros as float32, once (v_accum reuses them)
-    f16_to_f32(r.meta, r.metaf, r.n * (int)r.Ws);
+    fused::meta_to_f32<VecNeon>(r);
     const QPrep qp(q, G, r.D);
     if (r.k_bits == 8) {
       r.k_sym ? scores_all<8, true>(r, qp, qsum, G, scale, sc, ldsc)
