@@ -524,16 +524,14 @@ def compact_split_layout(layout: PoolLayout, budget: int, share: float | str = "
     """`layout` (all default blocks, within budget) with part of its block bytes moved to a compact region
     (kv_spec.compact_spec_for its spec), the whole still within budget. share: the fraction moved, or
     "auto": keep default_region_blocks(chats (default layout.max_seqs), horizon, turn_tokens) default
-    blocks and make the rest compact. The one rule for sizing the region (simulate, pressure_ladder)."""
+    blocks and make the rest compact; if those fill the pool, `layout` as it is (no compact region). The
+    one rule for sizing the region (simulate, pressure_ladder)."""
     compact = compact_spec_for(layout.spec, layout.head_dim)
     if share == "auto":
         need = default_region_blocks(chats or layout.max_seqs, horizon, turn_tokens, layout.block_size,
                                      layout.spec.sink_blocks)
-        if need >= layout.num_blocks:
-            raise SpecError(f"the pool's {layout.num_blocks} blocks cannot keep the recent {horizon} tokens of "
-                            f"{chats or layout.max_seqs} chats and a turn of {turn_tokens} ({need} default blocks) "
-                            "and leave room for a compact region: raise --pool-mb, lower --compact-horizon or "
-                            "--chats, or give --compact-share.")
+        if need >= layout.num_blocks:  # the chats' recent tokens fill the pool: a compact region would only
+            return layout  # make the active chat slide sooner (no region: the ladder is spill, then slide)
         num_blocks = need
     else:
         num_blocks = max(1, round(layout.num_blocks * (1 - share)))
@@ -723,7 +721,7 @@ class PagedPressure(Paged):
         out = {**super().info(), "policy": "evict" if self.mode == "evict" else "adaptive",
                "pressure": dict(self.counts), "peak_flash_bytes": self.peak_flash, "flash_bytes": self.cfg.flash_bytes}
         if self.mode == "compact":
-            out.update(compact_spec=self.layout.compact.describe(), num_compact_blocks=self.layout.num_compact_blocks,
+            out.update(compact_spec=self.layout.compact.describe() if self.layout.compact else None, num_compact_blocks=self.layout.num_compact_blocks,
                        compact_bytes_per_token=self.layout.compact_bytes_per_token,
                        compact_horizon=self.cfg.compact_horizon, capacity_tokens=(
                            self.layout.num_blocks + self.layout.num_compact_blocks) * self.cfg.block_size)

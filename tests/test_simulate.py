@@ -230,8 +230,13 @@ def test_auto_compact_split_keeps_every_chats_horizon_in_default_blocks():
     # fewer chats or a shorter horizon: a smaller default region, a bigger compact one
     small = compact_split_layout(full, budget, "auto", 4, 512, turn)
     assert small.num_blocks < split.num_blocks and small.num_compact_blocks > split.num_compact_blocks
-    with pytest.raises(SpecError, match="--compact-share"):  # 16 horizons of 1,024 do not fit in 120 MiB
-        compact_split_layout(full, budget, "auto", 16, 1024, turn)
+    # 16 horizons of 1,024 do not fit in 120 MiB: no compact region (the ladder is spill, then slide)
+    assert compact_split_layout(full, budget, "auto", 16, 1024, turn) == full
+    cfg = SimConfig(chats=16, turns=120, pool_bytes=budget, flash_bytes=0)
+    ladder, comp = to_json(simulate(cfg, strategies=("paged-quant-ladder", "paged-quant-compact")),
+                           with_series=False)["strategies"]
+    assert comp["num_compact_blocks"] == 0 and comp["compact_spec"] is None and comp["pressure"]["compactions"] == 0
+    assert comp["peak_tokens_before_loss"] == ladder["peak_tokens_before_loss"]
 
 
 def test_auto_compact_ladder_does_not_lose_to_evict_in_a_small_pool():
