@@ -1,7 +1,10 @@
 // pagedkv kernel core: the op (validate -> rotate -> write -> attend -> tail stage), the scalar
 // attention path and the choice of code path. The record format is in pagedkv_quant.cpp, the threads
-// in pagedkv_threads.cpp, the SIMD attention paths in pagedkv_core_<isa>.cpp. Compiled WITHOUT
-// -ffast-math and with -ffp-contract=off, like the record format: the op's writes must be bit exact.
+// in pagedkv_threads.cpp, the SIMD attention paths in pagedkv_core_<isa>.cpp: the attention loop is
+// impl::Attend (pagedkv_attn_impl.h), its fused quantized path written once over a vector wrapper per
+// ISA for AVX2 and NEON (pagedkv_attn_fused.h over pagedkv_vec_<isa>.h) and by hand for AVX-512
+// (pagedkv_avx512_*.h). Compiled WITHOUT -ffast-math and with -ffp-contract=off, like the record
+// format: the op's writes must be bit exact.
 #include "pagedkv_core.h"
 
 #include <algorithm>

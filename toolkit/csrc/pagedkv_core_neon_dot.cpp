@@ -176,8 +176,162 @@ void scores_all(const QuantRun& r, const QPrep& qp, const float* qsum, int G, fl
   });
 }
 
-// The plain NEON path with its own K scores
+// ---- V sums with sdot (4-bit V codes) ------------------------------------------------------------
+// acc[g][d] += sum_i c_i (u_i[d] - 8) + sum_i p_i z'_i with c_i = p_i s_i (the fp32 path's quantities,
+// see fused::vacc_tile), the sums over the keys as exact int32 dot products, the way the avx512-vnni
+// path does its 4-bit V sums with vpdpbusd. Per run, head and V group the coefficients are scaled by
+// 2^-e (e from their largest magnitude, so that |Q_i| = |round(c_i 2^-e)| <= 127 * 65536, as the K
+// path's q) and split into three balanced int8 limbs. The run's codes are transposed once (shared by
+// all heads) into 16-byte vectors of 4 dims x 4 keys, so that one sdot by element adds 4 keys' products
+// to 4 dims: per key, 16 dims and head 3 sdot, against 4 FMAs plus a 16-code conversion per head tile
+// on the fp32 path. Per lane |sum| <= 64 keys * 128 * 8 < 2^24: each limb's sum is exact as a float.
+constexpr int kVsMaxD = 256;  // the transposed codes live on the stack: D * 64 bytes at most
+
+// The run's V codes centred (u - 8) as [dim quad][key quad] vectors of 16 bytes: bytes 4t..4t+3 hold
+// dim t of the quad for keys 4kq..4kq+3 (keys past n: 0); nq4 key quads.
+inline void transpose_v(const QuantRun& r, int nq4, int8_t* xt) {
+  const int D = r.D, n = r.n;
+  const size_t step = (size_t)nq4 * 16;  // from one dim quad to the next
+  for (int kq = 0; kq < nq4; ++kq)
+    for (int j = 0; j < D; j += 16) {
+      int8x16_t x[4];
+      for (int k = 0; k < 4; ++k) {
+        const int i = 4 * kq + k;
+        if (i >= n) {
+          x[k] = vdupq_n_s8(0);
+          continue;
+        }
+        const uint8x8_t b = vld1_u8(r.rec(i) + r.kcb + j / 2);
+        const uint8x8x2_t z = vzip_u8(vand_u8(b, vdup_n_u8(0x0f)), vshr_n_u8(b, 4));
+        x[k] = vsubq_s8(vreinterpretq_s8_u8(vcombine_u8(z.val[0], z.val[1])), vdupq_n_s8(8));
+      }
+      // [d0 k0 k1, d1 k0 k1, ...] and [d0 k2 k3, ...], then pairs of 16-bit lanes: [d0 k0 k1 k2 k3, d1 ..]
+      const int16x8_t t0 = vreinterpretq_s16_s8(vzip1q_s8(x[0], x[1])), t1 = vreinterpretq_s16_s8(vzip2q_s8(x[0], x[1]));
+      const int16x8_t t2 = vreinterpretq_s16_s8(vzip1q_s8(x[2], x[3])), t3 = vreinterpretq_s16_s8(vzip2q_s8(x[2], x[3]));
+      int8_t* dst = xt + ((size_t)(j / 4) * nq4 + kq) * 16;
+      vst1q_s8(dst, vreinterpretq_s8_s16(vzip1q_s16(t0, t2)));
+      vst1q_s8(dst + step, vreinterpretq_s8_s16(vzip2q_s16(t0, t2)));
+      vst1q_s8(dst + 2 * step, vreinterpretq_s8_s16(vzip1q_s16(t1, t3)));
+      vst1q_s8(dst + 3 * step, vreinterpretq_s8_s16(vzip2q_s16(t1, t3)));
+    }
+}
+
+// The coefficients cf[0 .. 4 nq4) (finite, 0 past the run's keys) as limbs: w[l * nq4 + kq] = the 4
+// bytes of limb l of keys 4kq..4kq+3. Returns 2^e.
+inline float coef_limbs(const float* cf, int nq4, int32_t* w) {
+  float32x4_t m = vdupq_n_f32(0.f);
+  for (int i = 0; i < 4 * nq4; i += 4) m = vmaxq_f32(m, vabsq_f32(vld1q_f32(cf + i)));
+  const float mx = vmaxvq_f32(m);
+  int e = 0;
+  if (mx > 0.f) {
+    int E;
+    std::frexp(mx, &E);  // mx = f * 2^E, f in [0.5, 1)
+    e = E - 23;
+    if (std::ldexp(mx, -e) > kQMax) ++e;
+    e = std::max(e, -100);  // 2^-e stays a normal float (coefficients below 2^-77 keep fewer bits)
+  }
+  const float inv = std::ldexp(1.f, -e);
+  const int32x4_t c128 = vdupq_n_s32(128), m255 = vdupq_n_s32(255);
+  const auto pack = [](int32x4_t v) {  // the low bytes of 4 lanes as one 32-bit word
+    return vget_lane_s32(vreinterpret_s32_s8(vmovn_s16(vcombine_s16(vmovn_s32(v), vdup_n_s16(0)))), 0);
+  };
+  for (int kq = 0; kq < nq4; ++kq) {
+    const int32x4_t Q = vcvtnq_s32_f32(vmulq_n_f32(vld1q_f32(cf + 4 * kq), inv));  // exact scaling, then rounding
+    // balanced base-256 digits, as split_q_limbs
+    const int32x4_t c = vsubq_s32(vandq_s32(vaddq_s32(Q, c128), m255), c128);
+    const int32x4_t Q1 = vshrq_n_s32(vsubq_s32(Q, c), 8);
+    const int32x4_t b = vsubq_s32(vandq_s32(vaddq_s32(Q1, c128), m255), c128);
+    const int32x4_t a = vshrq_n_s32(vsubq_s32(Q1, b), 8);
+    w[kq] = pack(a);
+    w[nq4 + kq] = pack(b);
+    w[2 * nq4 + kq] = pack(c);
+  }
+  return std::ldexp(1.f, e);
+}
+
+template <bool SYM, int GN>
+void vsdot_tile(const QuantRun& r, const float* p, int ldp, float* acc, const int8_t* xt, int nq4) {
+  constexpr int kMaxGroups = kVsMaxD / 16;
+  const int D = r.D, vg = r.v_group, ngv = D / vg, n = r.n;
+  alignas(16) float cf[kMaxRunKeys];
+  alignas(16) int32_t w[GN][kMaxGroups][3 * kMaxRunKeys / 4];  // [head][group][limb * nq4 + key quad]
+  float se[GN][kMaxGroups], zt[GN][kMaxGroups];
+  for (int k = 0; k < ngv; ++k) {
+    const float* mk = r.metaf + r.ksc + k;
+    for (int g = 0; g < GN; ++g) {
+      const float* pg = p + (size_t)g * ldp;
+      float zs = 0.f;
+      for (int i = 0; i < 4 * nq4; ++i) {
+        const float sv = i < n ? mk[(size_t)i * r.Ws] : 0.f;
+        cf[i] = i < n ? pg[i] * sv : 0.f;
+        if (!SYM && i < n) zs += pg[i] * (mk[(size_t)i * r.Ws + ngv] + (float)r.v_mid * sv);  // z' = z + 8 s
+      }
+      se[g][k] = coef_limbs(cf, nq4, w[g][k]);
+      zt[g][k] = zs;
+    }
+  }
+  for (int dq = 0; dq < D / 4; ++dq) {
+    const int k = dq * 4 / vg;
+    const int8_t* x = xt + (size_t)dq * nq4 * 16;
+    int32x4_t A[GN][3];
+    for (int g = 0; g < GN; ++g)
+      for (int l = 0; l < 3; ++l) A[g][l] = vdupq_n_s32(0);
+    for (int kb = 0; kb < nq4; kb += 4) {
+      int8x16_t W[GN][3];  // limb l of key quads kb..kb+3, one per 32-bit lane
+      for (int g = 0; g < GN; ++g)
+        for (int l = 0; l < 3; ++l) W[g][l] = vreinterpretq_s8_s32(vld1q_s32(&w[g][k][l * nq4 + kb]));
+      const auto quad = [&](auto t) {
+        constexpr int T = decltype(t)::value;
+        const int8x16_t X = vld1q_s8(x + (size_t)(kb + T) * 16);
+        for (int g = 0; g < GN; ++g)
+          for (int l = 0; l < 3; ++l) A[g][l] = vdotq_laneq_s32(A[g][l], X, W[g][l], T);
+      };
+      quad(std::integral_constant<int, 0>());
+      quad(std::integral_constant<int, 1>());
+      quad(std::integral_constant<int, 2>());
+      quad(std::integral_constant<int, 3>());
+    }
+    for (int g = 0; g < GN; ++g) {
+      // 65536 A and 256 B are exact; only the two additions round
+      const float32x4_t v = vaddq_f32(vaddq_f32(vmulq_n_f32(vcvtq_f32_s32(A[g][0]), 65536.f),
+                                                vmulq_n_f32(vcvtq_f32_s32(A[g][1]), 256.f)),
+                                      vcvtq_f32_s32(A[g][2]));
+      float* a = acc + (size_t)g * D + dq * 4;
+      vst1q_f32(a, vfmaq_n_f32(vaddq_f32(vld1q_f32(a), vdupq_n_f32(zt[g][k])), v, se[g][k]));
+    }
+  }
+}
+
+// The run's V sums by sdot; false (nothing written) when it does not apply (not 4-bit codes, D above
+// kVsMaxD) or a probability or V scale is not finite (NaN scores, a corrupt pool): the caller then takes
+// the fp32 path, which carries them as the reference does.
+inline bool vsdot_all(const QuantRun& r, const float* p, int ldp, int G, float* acc) {
+  if (r.v_bits != 4 || r.D > kVsMaxD || r.D % 16 != 0) return false;
+  const int n = r.n, ngv = r.D / r.v_group;
+  float32x4_t m = vdupq_n_f32(0.f);  // NEON's max propagates NaN
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < n; i += 4) m = vmaxq_f32(m, vabsq_f32(vld1q_f32(p + (size_t)g * ldp + i)));
+  bool finite = vmaxvq_f32(m) <= std::numeric_limits<float>::max();
+  for (int i = 0; i < n; ++i)
+    for (int k = 0; k < ngv; ++k) finite = finite && std::isfinite(r.metaf[(size_t)i * r.Ws + r.ksc + k]);
+  if (!finite) return false;
+  const int nq4 = (n + 15) / 16 * 4;
+  alignas(16) int8_t xt[kVsMaxD * kMaxRunKeys];
+  transpose_v(r, nq4, xt);
+  impl::for_head_tiles(G, [&](auto gn, int g0) {
+    constexpr int GN = decltype(gn)::value;
+    const float* pg = p + (size_t)g0 * ldp;
+    float* ag = acc + (size_t)g0 * r.D;
+    r.v_sym ? vsdot_tile<true, GN>(r, pg, ldp, ag, xt, nq4) : vsdot_tile<false, GN>(r, pg, ldp, ag, xt, nq4);
+  });
+  return true;
+}
+
+// The plain NEON path with its own K scores and 4-bit V sums
 struct NeonDotOps : fused::FusedOps<VecNeon> {
+  static void v_accum(const QuantRun& r, const float* p, int ldp, int G, float* acc) {
+    if (!vsdot_all(r, p, ldp, G, acc)) fused::FusedOps<VecNeon>::v_accum(r, p, ldp, G, acc);
+  }
 
   static void q_prepare(const float* q, int G, int D, int k_bits, int k_group, float* out) {
     QPrep qp(out, G, D);
