@@ -136,6 +136,35 @@ def test_python_compacted_file_restored_by_runner(host, runner_run, art, wikitex
     assert r["ladder"]["compactions"] == plain["ladder"]["compactions"] - 1  # the first one came with the file
 
 
+def test_aarch64_runner_restores_a_compacted_file_and_compacts(runner_run, art, wikitext, tmp_path):
+    """The cross-built runner under qemu-aarch64 (-cpu max: NEON kernels) restores the Python engine's
+    compacted file and goes on under the ladder (its own compaction and slide: requantize_records on
+    aarch64) with the host runner's greedy tokens and block kinds."""
+    import os
+
+    from tests.native_build import REPO
+
+    need("aarch64-linux-gnu-g++", "qemu-aarch64-static", "javac")
+    b = build("cross")
+    plain, _, ids = runner_run
+    eng = engine(art)
+    c = eng.new_conversation()
+    eng.prefill(c, ids[:SPLIT])
+    saved = tmp_path / "python.pkvc"
+    eng.save(c, saved)
+    et_lib = REPO / "build" / "aarch64-wheel" / "unpacked" / "executorch" / "lib"
+    env = dict(os.environ, QEMU_LD_PREFIX="/usr/aarch64-linux-gnu", LD_LIBRARY_PATH=f"{et_lib}:{b}")
+    cmd = ["qemu-aarch64-static", "-cpu", "max", b / "pagedkv-runner", art, "--prompt-file", wikitext, "--ctx", CTX,
+           "--decode", DECODE, "--threads", "1", "--json", "--policy", "adaptive", "--compact-horizon", HORIZON,
+           "--restore", saved]
+    p = subprocess.run([str(x) for x in cmd], capture_output=True, text=True, timeout=1800, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["isa"] == "neon-dotprod" and r["restored_tokens"] == SPLIT
+    assert r["ladder"]["compactions"] >= 1 and r["ladder"]["slides"] >= 1
+    assert r["generated"] == plain["generated"] and r["block_kinds"] == plain["block_kinds"]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Several conversations: runner_test --ladder runs a script of calls on the runner, the same calls run on
 # the engine; after every step the same result and the same pool.
@@ -167,6 +196,10 @@ def python_steps(e, steps) -> list[dict]:
             elif st["op"] == "restore":
                 convs.append(e.restore(st["path"]))
                 res["conv"] = convs[-1]
+            elif st["op"] == "compact":
+                from runtime_sim.compact import compact_aged
+
+                res["moved"] = [i for i, _, _ in compact_aged(e, st["conv"], st["horizon"])]
         except PagedKVError as err:
             res["error"] = str(err)
         e.check_invariants()
@@ -205,7 +238,8 @@ def test_two_conversations_ladder_twin(host, art, prompts, tmp_path):
              {"op": "generate", "conv": 0, "ids": prompts[160:200], "decode": 10},
              {"op": "generate", "conv": 1, "ids": prompts[:30], "decode": 30},
              {"op": "generate", "conv": 0, "ids": prompts[30:60], "decode": 30},
-             {"op": "generate", "conv": 1, "ids": prompts[60:70], "decode": 10}]
+             {"op": "generate", "conv": 1, "ids": prompts[60:70], "decode": 10},
+             {"op": "compact", "conv": 1, "horizon": 16}]  # Runner::compact: every aged block, not a shortfall
     script = {"policy": "adaptive", "horizon": HORIZON, "threads": 1, "spill_dir": str(runner_dir), "steps": steps}
     got = run_script(host, art, script, tmp_path)
     want = python_steps(engine(art, spill_dir=py_dir), steps)
@@ -215,6 +249,54 @@ def test_two_conversations_ladder_twin(host, art, prompts, tmp_path):
     last = got[-1]["ladder"]
     # the script is sized so that every rung of the ladder but the last is taken
     assert last["compactions"] >= 2 and last["spills"] >= 1 and last["restores_from_spill"] >= 1, last
+    assert len(got[-1]["moved"]) >= 2
+
+
+def random_steps(seed: int, prompts: list[int], n: int = 20) -> list[dict]:
+    """A random script: up to 4 conversations (the pool has 2 slots: new ones spill idle ones), turns of
+    1-60 prompt tokens and 1-30 greedy tokens, saves and restores (file names, placed by the caller)."""
+    import random
+
+    rnd = random.Random(seed)
+    steps, convs, saved, held = [{"op": "new"}, {"op": "new"}], 2, [], set()  # held: conversations with tokens
+    for _ in range(n):
+        r = rnd.random()
+        if r < 0.1 and convs < 4:
+            steps.append({"op": "new"})
+            convs += 1
+        elif r < 0.18 and held:
+            saved.append(f"s{len(saved)}.pkvc")
+            steps.append({"op": "save", "conv": rnd.choice(sorted(held)), "path": saved[-1]})
+        elif r < 0.24 and saved and convs < 5:
+            steps.append({"op": "restore", "path": rnd.choice(saved)})
+            convs += 1
+        else:
+            a, k = rnd.randrange(len(prompts)), rnd.randint(1, 60)
+            held.add(rnd.randrange(convs))
+            steps.append({"op": "generate", "conv": max(held) if r > 0.9 else sorted(held)[-1 - int(r * 10) % len(held)],
+                          "ids": (prompts * 2)[a:a + k], "decode": rnd.randint(1, 30)})
+    return steps
+
+
+def placed(steps: list[dict], where) -> list[dict]:
+    return [dict(st, path=str(where / st["path"])) if "path" in st else st for st in steps]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_ladder_traces_twin(host, art, prompts, tmp_path, seed):
+    """Random scripts of turns, new conversations, saves and restores under the adaptive ladder: the runner
+    and the engine agree after every step (tokens, rungs, pool counts, block kinds; invariants on both)."""
+    steps = random_steps(seed, prompts)
+    runner_dir, py_dir = tmp_path / "runner", tmp_path / "py"
+    runner_dir.mkdir()
+    py_dir.mkdir()
+    script = {"policy": "adaptive", "horizon": HORIZON, "threads": 1, "spill_dir": str(runner_dir),
+              "steps": placed(steps, runner_dir)}
+    got = run_script(host, art, script, tmp_path)
+    want = python_steps(engine(art, spill_dir=py_dir), placed(steps, py_dir))
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert comparable(g) == comparable(w), f"step {i} {steps[i]}"
+    assert len(got) == len(want) == len(steps)
 
 
 def _set_u32(data: bytes, offset: int, value: int) -> bytes:

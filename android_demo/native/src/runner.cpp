@@ -1759,7 +1759,7 @@ ShrinkResult Runner::shrink(int target) {
   if (hu >= target) {  // count used blocks at or above the target
     for (int s : main.live_sequences())
       for (int b : main.blocks(s))
-        if (b >= target) ++r.blocked_by_used;
+        if (b >= target && b < main.num_blocks()) ++r.blocked_by_used;  // compact blocks do not block it
   }
   r.usable_after = main.shrink(target);
   r.released_bytes = m.touch_blocks(r.usable_after, r.usable_before, false);
