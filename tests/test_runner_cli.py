@@ -108,12 +108,30 @@ def test_cli_text_report(host_cli, fixtures):
     (["--ctx", "100000"], "fewer than --ctx 100000"),
     (["--ctx", "ten"], "--ctx ten is not an integer"),
     (["--budget-mb", "0", "--bogus"], "unknown option --bogus"),
+    (["--prefill-chunk", "0"], "--prefill-chunk 0 is not an integer >= 1"),
 ])
 def test_cli_bad_input_one_line_exit_2(host_cli, fixtures, args, needle):
     p = cli(host_cli, fixtures, *args)
     assert p.returncode == 2, p.stdout + p.stderr
     err = [ln for ln in p.stderr.splitlines() if ln.startswith("pagedkv-runner:")]
     assert len(err) == 1 and needle in err[0], p.stderr
+
+
+def test_cli_prefill_chunk_same_tokens_fewer_activation_pages(host_cli, fixtures):
+    """--prefill-chunk 3: the same greedy tokens, and fewer pages of the activations arena resident (it is
+    planned for max_tokens_per_call tokens and not prefaulted: a smaller call writes part of each slot);
+    the .pte's mapped pages at the end are one call's (mapped_pages.h), at most those without the release."""
+    runs = {}
+    for name, extra, env in (("default", [], None), ("chunk3", ["--prefill-chunk", "3"], None),
+                             ("keep", [], dict(os.environ, PAGEDKV_KEEP_MAPPED_PAGES="1"))):
+        p = cli(host_cli, fixtures, "--json", "--budget-mb", "1", *extra, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs[name] = json.loads(p.stdout.strip().splitlines()[-1])
+    _, case = fixtures
+    assert all(r["generated"] == case["hf_greedy"] for r in runs.values())
+    assert 0 < runs["chunk3"]["activations_resident_bytes"] < runs["default"]["activations_resident_bytes"]
+    assert runs["default"]["activations_resident_bytes"] <= runs["default"]["activations_reserved_bytes"] + 4096
+    assert 0 < runs["default"]["weights_file_resident_bytes"] <= runs["keep"]["weights_file_resident_bytes"]
 
 
 def test_cli_missing_artifacts_and_pool_too_small(host_cli, fixtures, tmp_path, wikitext):
