@@ -250,6 +250,7 @@ def test_two_conversations_ladder_twin(host, art, prompts, tmp_path):
     # the script is sized so that every rung of the ladder but the last is taken
     assert last["compactions"] >= 2 and last["spills"] >= 1 and last["restores_from_spill"] >= 1, last
     assert len(got[-1]["moved"]) >= 2
+    assert got[-1]["kinds"]["0"] == [] and not list(runner_dir.iterdir())  # spilled at the end; the runner removed its file
 
 
 def random_steps(seed: int, prompts: list[int], n: int = 20) -> list[dict]:

@@ -1457,7 +1457,11 @@ Runner::Runner(const RunnerConfig& cfg) : impl_(new Impl) {
   impl_->refresh_stats();
 }
 
-Runner::~Runner() = default;
+Runner::~Runner() {
+  if (!impl_) return;
+  for (auto& kv : impl_->convs)  // spill files are this runner's alone (their names carry its pid and address)
+    if (!kv.second.spill.empty()) unlink(kv.second.spill.c_str());
+}
 
 int Runner::new_conversation() {
   std::lock_guard<std::mutex> g(impl_->mu);

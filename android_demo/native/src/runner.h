@@ -53,7 +53,8 @@ struct RunnerConfig {
   std::string policy = "error";
   int compact_horizon = 1024;     // adaptive: recent tokens a conversation keeps in the default region
   int sink_blocks = 0;            // sliding / adaptive: leading blocks never dropped (0 = max(1, the spec's sink_blocks))
-  std::string spill_dir;          // adaptive: where idle conversations are spilled ("" = no spill rung)
+  std::string spill_dir;          // adaptive: where idle conversations are spilled ("" = no spill rung); the
+                                  // runner deletes its spill files when they are restored, cleared, closed, or it goes
 };
 
 // The pressure ladder's rungs, each counted when taken (runtime_sim Engine.stats()["ladder"], same names).
