@@ -10,13 +10,15 @@ Two measurements, both written to results/pressure_ladder.json:
    dropped) or a spill that had to be prefilled again. "held" is the tokens of every conversation
    whose K/V is kept (in the pool, or in a spill file for adaptive) after the last turn without a loss
    (a lower bound: one turn of granularity); "resident" the most of them in the pool at once before
-   the first spill or loss. `adaptive+compact` is adaptive on a model with a compact region, the same
-   pool bytes split half and half (simulate.compact_split_layout), aged blocks --horizon tokens back.
+   the first spill or loss. `adaptive+compact` is adaptive on a model with a compact region in the same
+   pool bytes, split by simulate.compact_split_layout (--compact-share, default auto: default blocks for
+   every chat's --horizon and one turn, the rest compact), aged blocks --horizon tokens back.
 2. simulate: `pagedkv simulate`'s phone model (SmolLM2-135M dims, the default trace, with --sim-chats
    conversations alive at most) for seeds 0..N-1, pools of --sim-pool-mb (default: the simulator's,
    two contiguous 8K caches = 360 MiB; and 120 MiB): the most tokens held at once before the first loss
    by paged-quant-evict, paged-quant-ladder (spill, slide) and paged-quant-compact (compact, spill,
-   slide), with unlimited flash and with none (RAM only). Where a ladder loses nothing in the trace,
+   slide; its split by --compact-share as above, for --sim-chats and horizon 1,024), with unlimited flash
+   and with none (RAM only). Where a ladder loses nothing in the trace,
    its number is the trace's peak demand, a lower bound of what it could hold.
 The compact tier's fidelity cost is read from results/compact_tier.json (benchmarks/compact_tier.py).
 
@@ -41,7 +43,8 @@ POLICIES = ("evict", "sliding", "adaptive", "adaptive+compact")
 SIM_POLICIES = ("paged-quant-evict", "paged-quant-ladder", "paged-quant-compact")
 
 
-def run_engine(policy: str, blocks: int, chats: int, user: int, decode: int, max_turns: int, horizon: int) -> dict:
+def run_engine(policy: str, blocks: int, chats: int, user: int, decode: int, max_turns: int, horizon: int,
+               share: float | str = "auto") -> dict:
     import numpy as np
 
     from runtime_sim.backends import TorchBackend
@@ -52,8 +55,8 @@ def run_engine(policy: str, blocks: int, chats: int, user: int, decode: int, max
 
     model = tiny_model("llama")
     paged = compile(model, "default", num_blocks=blocks, max_seqs=chats)
-    if policy == "adaptive+compact":  # the same pool bytes, half of them a compact region
-        split = compact_split_layout(paged.layout, paged.layout.total_bytes, 0.5)
+    if policy == "adaptive+compact":  # the same pool bytes, part of them a compact region
+        split = compact_split_layout(paged.layout, paged.layout.total_bytes, share, chats, horizon, user + decode)
         paged = compile(model, "default", num_blocks=split.num_blocks, max_seqs=chats,
                         compact_blocks=split.num_compact_blocks)
     lay = paged.layout
@@ -86,13 +89,14 @@ def run_engine(policy: str, blocks: int, chats: int, user: int, decode: int, max
                 **{k: v for k, v in s.items() if k != "policy"}}
 
 
-def run_simulate(seeds: int, chats: list[int], pools_mb: list[float | None]) -> list[dict]:
+def run_simulate(seeds: int, chats: list[int], pools_mb: list[float | None], share: float | str = "auto") -> list[dict]:
     from runtime_sim.simulate import SimConfig, simulate, to_json
 
     out = []
     for n, pool, flash, seed in ((n, p, f, seed) for n in chats for p in pools_mb for f in (None, 0)
                                  for seed in range(seeds)):
-        cfg = SimConfig(seed=seed, chats=n, pool_bytes=None if pool is None else int(pool * 2**20), flash_bytes=flash)
+        cfg = SimConfig(seed=seed, chats=n, pool_bytes=None if pool is None else int(pool * 2**20), flash_bytes=flash,
+                        compact_share=share)
         res = to_json(simulate(cfg, SIM_POLICIES), with_series=False)
         row = {"chats": n, "seed": seed, "pool_bytes": res["params"]["pool_bytes"], "flash": "none" if flash == 0
                else "unlimited"}
@@ -128,9 +132,12 @@ def main(argv=None) -> int:
     ap.add_argument("--sim-chats", default="8,16", help="simulate: conversations alive at most (comma list)")
     ap.add_argument("--sim-pool-mb", default="default,120", help="simulate: pool budgets in MiB (comma list; "
                     "'default' = the simulator's)")
+    ap.add_argument("--compact-share", default="auto", type=lambda x: x if x == "auto" else float(x),
+                    help="the compact region's share of the pool bytes, or auto (default; simulate.compact_split_layout)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     a = ap.parse_args(argv)
-    engine = [run_engine(p, a.blocks, a.chats, a.user, a.decode, a.max_turns, a.horizon) for p in a.policies]
+    engine = [run_engine(p, a.blocks, a.chats, a.user, a.decode, a.max_turns, a.horizon, a.compact_share)
+              for p in a.policies]
     evict = max(1, next((r["tokens_held_before_first_loss"] for r in engine if r["policy"] == "evict"), 1))
     print(f"engine: {a.blocks} blocks x 16 = {a.blocks * 16} tokens ({engine[0]['pool_bytes']} pool bytes), {a.chats} "
           f"chats, turns of {a.user}+{a.decode} tokens, torch backend, tiny llama, {cpu_model()}")
@@ -143,7 +150,7 @@ def main(argv=None) -> int:
               f"{r['first_loss'] or 'none'} | {r['turns']} | {r.get('compacted_blocks', 0)} | "
               f"{r['spills']} | {r['restores_from_spill']} | {r['slides']} |")
     pools = [None if x == "default" else float(x) for x in a.sim_pool_mb.split(",")]
-    sim = run_simulate(a.seeds, [int(x) for x in a.sim_chats.split(",")], pools) if a.seeds else []
+    sim = run_simulate(a.seeds, [int(x) for x in a.sim_chats.split(",")], pools, a.compact_share) if a.seeds else []
     if sim:
         print("\nsimulate (SmolLM2-135M dims, default trace): peak tokens held before the first loss")
         print("| chats | pool | flash | seed | evict | ladder | compact ladder | ladder / evict | compact / evict | "
