@@ -167,6 +167,24 @@ def test_aarch64_runner_restores_a_compacted_file_and_compacts(runner_run, art, 
     assert r["generated"] == plain["generated"] and r["block_kinds"] == plain["block_kinds"]
 
 
+def test_runner_sliding_policy_like_runtime_sim(host, art, wikitext, runner_run):
+    """policy sliding (no compaction): the oldest default blocks after the sink are dropped as the engine
+    drops them: the same tokens, slides and holes."""
+    from runtime_sim.session import open_artifacts
+
+    ids = runner_run[2]
+    cmd = [host / "pagedkv-runner", art, "--prompt-file", wikitext, "--ctx", CTX, "--decode", DECODE, "--threads", 1,
+           "--json", "--policy", "sliding"]
+    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    e = open_artifacts(art, "executorch", threads=1, policy="sliding")
+    c = e.new_conversation()
+    assert list(e.generate(c, ids, DECODE)) == r["generated"]
+    assert r["ladder"]["slides"] == e.stats()["ladder"]["slides"] > 0 and r["ladder"]["compactions"] == 0
+    assert kinds(e, c) == r["block_kinds"] and 2 not in r["block_kinds"]
+
+
 @pytest.fixture(scope="module")
 def gemma_art(tmp_path_factory, wikitext):
     """A tiny Gemma 3 (a sliding layer with a window of 16 beside a global one: two layer groups), the same
