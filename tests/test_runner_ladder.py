@@ -185,6 +185,19 @@ def test_runner_sliding_policy_like_runtime_sim(host, art, wikitext, runner_run)
     assert kinds(e, c) == r["block_kinds"] and 2 not in r["block_kinds"]
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--policy", "evict"], "unknown pool policy 'evict'"),
+    (["--compact-horizon", "0"], "--compact-horizon 0 is not an integer >= 1"),
+    (["--policy", "error"], "do not fit the pool"),  # policy error: the prompt must fit, as before
+])
+def test_cli_ladder_options_bad_input_one_line(host, art, wikitext, args, needle):
+    cmd = [host / "pagedkv-runner", art, "--prompt-file", wikitext, "--ctx", CTX, "--decode", DECODE, *args]
+    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300)
+    err = [ln for ln in p.stderr.splitlines() if ln.startswith("pagedkv-runner:")]
+    assert p.returncode == 2 and len(err) == 1 and needle in err[0], p.stderr[-2000:]
+    assert p.stdout == ""
+
+
 @pytest.fixture(scope="module")
 def gemma_art(tmp_path_factory, wikitext):
     """A tiny Gemma 3 (a sliding layer with a window of 16 beside a global one: two layer groups), the same
