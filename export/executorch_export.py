@@ -28,8 +28,9 @@ runs on XNNPACK, packed from the mapped file as for 8da4w; only the chunks' slic
 q/k/v and gate/up are fused (LinearPart) and the offsets run once per linear: the export's time
 follows the graph's node count, and SmolLM2's export went from > 80 min unfinished to 39 min. The
 exported SmolLM2 program (ExecuTorch, ctx 512 x 8 windows, default KV): +0.52% PPL, KLD 0.0084; the
-runner's peak RSS at 8K is 249 MiB against 8da4w-e8's 213 and llama.cpp's 257 (q8_0/q4_0 KV), 287 before
-the block sums lost their 0/1 matrices and the head its unneeded rows (BENCHMARKS.md, The memory a phone sees).
+runner's peak RSS at 8K is 223 MiB (216 with 32-token prefill chunks; 249 before the runner stopped keeping
+the token table's mapped pages, 287 before the block sums lost their 0/1 matrices and the head its unneeded
+rows) against llama.cpp's 368 (f16 KV) (BENCHMARKS.md, The memory a phone sees).
 """
 
 from __future__ import annotations
