@@ -107,11 +107,12 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 
 def table(summary: list[dict]) -> str:
-    lines = ["| path | dims q/kv/d | ctx | threads | before ms | after ms | after / before "
+    lines = ["| path | impl | dims q/kv/d | ctx | threads | before ms | after ms | after / before "
              "| fastest runs: after / before | paired: median of after / before per round | runs |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in summary:
-        lines.append(f"| {c['isa']} | {c['dims']} | {c['ctx'] // 1024}K | {c['threads']} | {c['old_ms']:.3f} | "
+        lines.append(f"| {c['isa']} | {c['impl']} | {c['dims']} | {c['ctx'] // 1024}K | {c['threads']} | "
+                     f"{c['old_ms']:.3f} | "
                      f"{c['new_ms']:.3f} | {c['new_over_old']:.3f} | {c['min_new_over_min_old']:.3f} | "
                      f"{c['paired_new_over_old']:.3f} | "
                      f"{c['runs_old']}+{c['runs_new']} |")
@@ -165,8 +166,11 @@ def main(argv=None) -> int:
                 doc["runs"].append(run)
                 print(f"round {i + 1} {isa} {run['side']}: "
                       f"load {run['load_before'][0]:.2f} -> {run['load_after'][0]:.2f}, "
-                      + ", ".join(f"{r['q_heads']}/{r['kv_heads']}/{r['head_dim']} {r['ctx'] // 1024}K "
+                      + ", ".join(f"{r['impl']} {r['q_heads']}/{r['kv_heads']}/{r['head_dim']} {r['ctx'] // 1024}K "
                                   f"{r['threads']}T {r['ms']:.3f}" for r in run["rows"]), flush=True)
+    if not doc["runs"]:
+        print(f"error: {args.out} holds no runs: give --runs N (with --add, an existing --out)", file=sys.stderr)
+        return 2
     doc["summary"] = summarize(doc["runs"])
     loads = [x for r in doc["runs"] for x in (r["load_before"][0], r["load_after"][0])]
     doc["load_1min_range"] = [min(loads), max(loads)]
