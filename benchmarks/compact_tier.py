@@ -70,6 +70,7 @@ CANDIDATES: dict[str, str] = {
     "k4v3-kg32": "default:k_bits=4,k_group=32,k_sym=true,v_bits=3,v_group=64,v_sym=true",
     "k5v3": "default:k_bits=5,k_group=64,k_sym=true,v_bits=3,v_group=64,v_sym=true",
     "k4v4": "k4v4",
+    "k3v2": "default:k_bits=3,k_group=64,k_sym=true,v_bits=2,v_group=64,v_sym=false",  # sub-4-bit for Gemma 32K 0.5x
     # KIVI-like: K asymmetric per channel within each block (scale + zero per channel per block), V per token
     "kivi-k3v3": "kivi:k_bits=3,v_bits=3,v_group=64,v_sym=false",
     "kivi-k4v2": "kivi:k_bits=4,v_bits=2,v_group=64,v_sym=false",
