@@ -7,6 +7,7 @@ android_demo/native/ci_build.sh (host into build/android-host, cross into build/
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -42,6 +43,13 @@ def build(kind: str) -> Path:
     """ci_build.sh host | cross; returns the build dir."""
     run(["bash", CI, kind], timeout=1800)
     return HOST if kind == "host" else AARCH64
+
+
+def qemu_env(cross_build: Path) -> dict:
+    """The environment that runs an aarch64 binary of `cross_build` under qemu-aarch64-static: the
+    cross toolchain's sysroot and the ExecuTorch libraries of the aarch64 wheel."""
+    et_lib = REPO / "build" / "aarch64-wheel" / "unpacked" / "executorch" / "lib"
+    return dict(os.environ, QEMU_LD_PREFIX="/usr/aarch64-linux-gnu", LD_LIBRARY_PATH=f"{et_lib}:{cross_build}")
 
 
 def tiny_pte_fixtures(out: Path, wikitext: Path, *args: str) -> Path:

@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from tests.native_build import REPO, build, need, tiny_pte_fixtures
+from tests.native_build import build, need, qemu_env, tiny_pte_fixtures
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +152,7 @@ def test_cli_aarch64_under_qemu(fixtures):
     """The cross-built CLI under qemu-aarch64 (-cpu max): the same greedy tokens, a full report."""
     need("aarch64-linux-gnu-g++", "qemu-aarch64-static", "javac")
     b = build("cross")
-    et_lib = REPO / "build" / "aarch64-wheel" / "unpacked" / "executorch" / "lib"
-    env = dict(os.environ, QEMU_LD_PREFIX="/usr/aarch64-linux-gnu", LD_LIBRARY_PATH=f"{et_lib}:{b}")
+    env = qemu_env(b)
     p = cli(b / "pagedkv-runner", fixtures, "--json", prefix=("qemu-aarch64-static", "-cpu", "max"), env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])

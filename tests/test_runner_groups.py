@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.helpers import hf_greedy
-from tests.native_build import REPO, build, need
+from tests.native_build import build, need, qemu_env
 from toolkit.block_pool import dead_blocks, window_blocks_needed
 
 BS = 16
@@ -131,12 +131,9 @@ def test_grouped_runner_greedy_equals_hf_and_sliding_blocks_return(host_cli, exp
 
 def test_grouped_runner_aarch64_under_qemu(exported, prompt):
     """The cross-built runner under qemu-aarch64 -cpu max (NEON dotprod kernels): the same tokens and blocks."""
-    import os
-
     need("clang", "aarch64-linux-gnu-g++", "qemu-aarch64-static", "javac")
     b = build("cross")
-    et_lib = REPO / "build" / "aarch64-wheel" / "unpacked" / "executorch" / "lib"
-    env = dict(os.environ, QEMU_LD_PREFIX="/usr/aarch64-linux-gnu", LD_LIBRARY_PATH=f"{et_lib}:{b}")
+    env = qemu_env(b)
     family, window, art, ref = exported
     cmd = ["qemu-aarch64-static", "-cpu", "max", b / "pagedkv-runner", art, "--prompt-file", prompt[0], "--ctx", PROMPT,
            "--decode", DECODE, "--threads", "1", "--json"]

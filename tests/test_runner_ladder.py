@@ -30,7 +30,7 @@ import zlib
 import numpy as np
 import pytest
 
-from tests.native_build import build, need, tiny_pte_fixtures
+from tests.native_build import build, need, qemu_env, tiny_pte_fixtures
 
 POOL_TOKENS, COMPACT_BLOCKS, HORIZON = 160, 8, 32  # 10 default blocks, 8 compact ones
 CTX, DECODE = 200, 100  # 300 tokens in 10 + 8 blocks: two compactions, then the compact region is full: a slide
@@ -142,10 +142,6 @@ def test_aarch64_runner_restores_a_compacted_file_and_compacts(runner_run, art, 
     """The cross-built runner under qemu-aarch64 (-cpu max: NEON kernels) restores the Python engine's
     compacted file and goes on under the ladder (its own compaction and slide: requantize_records on
     aarch64) with the host runner's greedy tokens and block kinds."""
-    import os
-
-    from tests.native_build import REPO
-
     need("aarch64-linux-gnu-g++", "qemu-aarch64-static", "javac")
     b = build("cross")
     plain, _, ids = runner_run
@@ -154,8 +150,7 @@ def test_aarch64_runner_restores_a_compacted_file_and_compacts(runner_run, art, 
     eng.prefill(c, ids[:SPLIT])
     saved = tmp_path / "python.pkvc"
     eng.save(c, saved)
-    et_lib = REPO / "build" / "aarch64-wheel" / "unpacked" / "executorch" / "lib"
-    env = dict(os.environ, QEMU_LD_PREFIX="/usr/aarch64-linux-gnu", LD_LIBRARY_PATH=f"{et_lib}:{b}")
+    env = qemu_env(b)
     cmd = ["qemu-aarch64-static", "-cpu", "max", b / "pagedkv-runner", art, "--prompt-file", wikitext, "--ctx", CTX,
            "--decode", DECODE, "--threads", "1", "--json", "--policy", "adaptive", "--compact-horizon", HORIZON,
            "--restore", saved]

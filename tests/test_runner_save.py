@@ -15,7 +15,6 @@ run the same program through the same pagedkv kernels:
 from __future__ import annotations
 
 import json
-import os
 import struct
 import subprocess
 import zlib
@@ -23,7 +22,7 @@ import zlib
 import numpy as np
 import pytest
 
-from tests.native_build import REPO, build, need, tiny_pte_fixtures
+from tests.native_build import build, need, qemu_env, tiny_pte_fixtures
 
 CTX, DECODE = 50, 4  # 50 prompt tokens: three full blocks of 16 and a partly filled one
 SPLIT = 32  # (b): Python prefills the first 32 tokens (one .pte call), the runner the rest
@@ -136,8 +135,7 @@ def test_aarch64_runner_restores_a_python_file(runner_saved, fixtures, wikitext,
     eng.prefill(c, ids[:SPLIT])
     saved = tmp_path / "python.pkvc"
     eng.save(c, saved)
-    et_lib = REPO / "build" / "aarch64-wheel" / "unpacked" / "executorch" / "lib"
-    env = dict(os.environ, QEMU_LD_PREFIX="/usr/aarch64-linux-gnu", LD_LIBRARY_PATH=f"{et_lib}:{b}")
+    env = qemu_env(b)
     cmd = ["qemu-aarch64-static", "-cpu", "max", b / "pagedkv-runner", fixtures, "--prompt-file", wikitext, "--ctx",
            CTX, "--decode", DECODE, "--threads", "1", "--json", "--restore", saved]
     r = result(subprocess.run([str(x) for x in cmd], capture_output=True, text=True, timeout=1800, env=env))
