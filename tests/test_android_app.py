@@ -88,10 +88,12 @@ def runner_fixtures(tmp_path_factory, wikitext):
                           "{% endfor %}{% if add_generation_prompt %}{{ '<s>assistant: ' }}{% endif %}")
     m["stop_token_ids"] = [2]
     path.write_text(json.dumps(m))
+    # a compact region of 8 blocks (issue 25's compact tier), as tests/test_runner_ladder.py exports it
+    tiny_pte_fixtures(out / "compact", wikitext, "--spec", "default", "--compact-blocks", "8")
     return out
 
 
-@pytest.mark.parametrize("which", ["plain", "templated"])
+@pytest.mark.parametrize("which", ["plain", "templated", "compact"])
 def test_chat_engine_with_the_native_runner(classes, runner_fixtures, which):
     subprocess.run(["bash", str(NATIVE / "ci_build.sh"), "host"], check=True, capture_output=True, timeout=1800)
     host = REPO / "build" / "android-host"
@@ -100,6 +102,13 @@ def test_chat_engine_with_the_native_runner(classes, runner_fixtures, which):
     ok, bad = summary(out)
     assert bad == 0 and "PASS a Stop before the turn starts is not lost" in out, out[-4000:]
     assert "PASS start restores the saved chat without prefill" in out, out[-4000:]  # HostTests saveRestoreTests
+    # HostTests compactTrimTests: trim compacts on a .pte with a compact region, skips it on one without
+    if which == "compact":
+        assert "PASS trim compacts aged blocks" in out and "PASS the restored compacted chat continues" in out, out[-4000:]
+        assert "PASS the restored compacted cache gives the same greedy tokens" in out, out[-4000:]
+    else:
+        assert "PASS trim without a compact region skips compaction" in out, out[-4000:]
+        assert "PASS compact on a .pte without a compact region throws" in out, out[-4000:]
 
 
 def test_gradle_toolchain_pins():

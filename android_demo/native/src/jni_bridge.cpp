@@ -113,13 +113,18 @@ std::vector<int32_t> from_jints(JNIEnv* env, jintArray a) {
 
 extern "C" {
 
-JNIEXPORT jlong JNI_FN(nativeCreate)(JNIEnv* env, jclass, jstring dir, jlong budget, jint threads, jstring isa) {
+// policy: RunnerConfig::policy ("error", "sliding", "adaptive"); horizon: compact_horizon; spill_dir: "" = no spill rung.
+JNIEXPORT jlong JNI_FN(nativeCreate)(JNIEnv* env, jclass, jstring dir, jlong budget, jint threads, jstring isa,
+                                     jstring policy, jint horizon, jstring spill_dir) {
   return guarded(env, jlong(0), [&] {
     RunnerConfig c;
     c.artifacts_dir = from_jstring(env, dir);
     c.pool_budget_bytes = budget;
     c.num_threads = threads;
     c.isa = from_jstring(env, isa);
+    c.policy = from_jstring(env, policy);
+    c.compact_horizon = horizon;
+    c.spill_dir = from_jstring(env, spill_dir);
     return static_cast<jlong>(reinterpret_cast<intptr_t>(new Runner(c)));
   });
 }
@@ -142,6 +147,12 @@ JNIEXPORT void JNI_FN(nativeCloseConversation)(JNIEnv* env, jclass, jlong h, jin
 // conversation's id. A bad file throws PagedKVException (or PoolExhaustedException) with one line.
 JNIEXPORT jlong JNI_FN(nativeSave)(JNIEnv* env, jclass, jlong h, jint conv, jstring path) {
   return guarded(env, jlong(-1), [&] { return static_cast<jlong>(checked(env, h)->save(conv, from_jstring(env, path))); });
+}
+
+// Runner::compact: conv's blocks ending >= horizon tokens back re-quantized into the compact region (onTrimMemory);
+// returns how many blocks moved. A .pte without a compact region throws PagedKVException (ARGUMENT).
+JNIEXPORT jint JNI_FN(nativeCompact)(JNIEnv* env, jclass, jlong h, jint conv, jint horizon) {
+  return guarded(env, jint(-1), [&] { return static_cast<jint>(checked(env, h)->compact(conv, horizon).size()); });
 }
 
 JNIEXPORT jint JNI_FN(nativeRestore)(JNIEnv* env, jclass, jlong h, jstring path) {
@@ -249,13 +260,17 @@ JNIEXPORT jint JNI_FN(nativeGrow)(JNIEnv* env, jclass, jlong h, jint target) {
 JNIEXPORT jdoubleArray JNI_FN(nativeStats)(JNIEnv* env, jclass, jlong h) {
   return guarded(env, static_cast<jdoubleArray>(nullptr), [&] {
     PoolStats s = checked(env, h)->stats();
-    jdouble v[16] = {double(s.total_blocks), double(s.usable_blocks), double(s.used_blocks), double(s.free_blocks),
+    const LadderStats& l = s.ladder;  // the compact region and the pressure ladder's rungs (runner.h LadderStats)
+    jdouble v[28] = {double(s.total_blocks), double(s.usable_blocks), double(s.used_blocks), double(s.free_blocks),
                      double(s.block_size), double(s.sequences), double(s.kv_bytes_in_use), double(s.bytes_per_block),
                      double(s.committed_bytes), double(s.reserved_bytes), double(s.largest_allocation_bytes),
                      double(s.num_allocations), double(s.prefill_tokens), double(s.decode_tokens), s.prefill_tok_s,
-                     s.decode_tok_s};
-    jdoubleArray a = env->NewDoubleArray(16);
-    if (a) env->SetDoubleArrayRegion(a, 0, 16, v);
+                     s.decode_tok_s, double(s.compact_blocks), double(s.compact_bytes), double(l.slides),
+                     double(l.spills), double(l.spill_bytes), double(l.spill_failures), double(l.restores_from_spill),
+                     double(l.spill_reprefills), double(l.spilled_now), double(l.compactions),
+                     double(l.compacted_blocks), double(l.compact_blocks_in_use)};
+    jdoubleArray a = env->NewDoubleArray(28);
+    if (a) env->SetDoubleArrayRegion(a, 0, 28, v);
     return a;
   });
 }

@@ -29,6 +29,13 @@ public final class NativeRunner implements AutoCloseable {
         public long prefillTokens, decodeTokens;
         public double prefillTokPerS, decodeTokPerS;
         public String isa;
+        /** The compact region (a .pte exported with --compact-blocks N; 0 blocks without one) and its bytes. */
+        public int compactBlocks;
+        public long compactBytes;
+        /** The pressure ladder's rungs taken (runner.h LadderStats, runtime_sim Engine.stats()["ladder"] names). */
+        public long slides, spills, spillBytes, spillFailures, restoresFromSpill, spillReprefills;
+        public int spilledNow, compactBlocksInUse;
+        public long compactions, compactedBlocks;
 
         static Stats fromArray(double[] v, String isa) {
             Stats s = new Stats();
@@ -48,6 +55,18 @@ public final class NativeRunner implements AutoCloseable {
             s.decodeTokens = (long) v[13];
             s.prefillTokPerS = v[14];
             s.decodeTokPerS = v[15];
+            s.compactBlocks = (int) v[16];
+            s.compactBytes = (long) v[17];
+            s.slides = (long) v[18];
+            s.spills = (long) v[19];
+            s.spillBytes = (long) v[20];
+            s.spillFailures = (long) v[21];
+            s.restoresFromSpill = (long) v[22];
+            s.spillReprefills = (long) v[23];
+            s.spilledNow = (int) v[24];
+            s.compactions = (long) v[25];
+            s.compactedBlocks = (long) v[26];
+            s.compactBlocksInUse = (int) v[27];
             s.isa = isa;
             return s;
         }
@@ -57,10 +76,13 @@ public final class NativeRunner implements AutoCloseable {
             return String.format(
                     "blocks %d used / %d free / %d usable / %d total (x%d tokens), KV %.2f MiB in use, "
                             + "pool %.2f MiB committed in %d allocations (largest %.2f MiB), "
-                            + "prefill %.1f tok/s, decode %.1f tok/s, kernels %s",
+                            + "prefill %.1f tok/s, decode %.1f tok/s, kernels %s%s",
                     usedBlocks, freeBlocks, usableBlocks, totalBlocks, blockSize, kvBytesInUse / 1048576.0,
                     committedBytes / 1048576.0, numAllocations, largestAllocationBytes / 1048576.0,
-                    prefillTokPerS, decodeTokPerS, isa);
+                    prefillTokPerS, decodeTokPerS, isa,
+                    compactBlocks == 0 ? "" : String.format(", compact %d / %d blocks in use (%d moved)",
+                            compactBlocksInUse, compactBlocks, compactedBlocks)
+                    + (spills == 0 && slides == 0 ? "" : String.format(", %d spilled, %d slid", spills, slides)));
         }
     }
 
@@ -92,8 +114,19 @@ public final class NativeRunner implements AutoCloseable {
 
     /** As above; isa forces a kernel code path ("scalar", "neon", ...), "" = best available. */
     public NativeRunner(String artifactsDir, long poolBudgetBytes, int numThreads, String isa) {
+        this(artifactsDir, poolBudgetBytes, numThreads, isa, "error", 1024, "");
+    }
+
+    /**
+     * As above, with the pool's pressure policy (RunnerConfig::policy): "error" (a turn that needs blocks that
+     * are not free throws PoolExhaustedException), "sliding" (old blocks dropped) or "adaptive" (the ladder:
+     * aged blocks, those ending at least compactHorizon tokens back, re-quantized into the compact region when
+     * the .pte has one; idle conversations spilled to spillDir, "" = never; then sliding).
+     */
+    public NativeRunner(String artifactsDir, long poolBudgetBytes, int numThreads, String isa, String policy,
+                        int compactHorizon, String spillDir) {
         loadLibrary();
-        handle = nativeCreate(artifactsDir, poolBudgetBytes, numThreads, isa);
+        handle = nativeCreate(artifactsDir, poolBudgetBytes, numThreads, isa, policy, compactHorizon, spillDir);
     }
 
     public int newConversation() { return nativeNewConversation(handle); }
@@ -105,6 +138,13 @@ public final class NativeRunner implements AutoCloseable {
 
     /** Writes the conversation (its KV blocks, tokens and messages) to path, atomically; returns its size in bytes. */
     public long save(int conversation, String path) { return nativeSave(handle, conversation, path); }
+
+    /**
+     * Re-quantizes the conversation's aged blocks (past the sink, ending at least horizon tokens back) into
+     * free blocks of the .pte's compact region, freeing as many default blocks; returns how many moved.
+     * A .pte without a compact region ({@link Stats#compactBlocks} 0) throws PagedKVException (ARGUMENT).
+     */
+    public int compact(int conversation, int horizon) { return nativeCompact(handle, conversation, horizon); }
 
     /** A new conversation restored from a file save wrote (no prefill); a bad file throws, nothing changed. */
     public int restore(String path) { return nativeRestore(handle, path); }
@@ -154,7 +194,9 @@ public final class NativeRunner implements AutoCloseable {
         if (h != 0) nativeDestroy(h);
     }
 
-    private static native long nativeCreate(String dir, long budget, int threads, String isa);
+    private static native long nativeCreate(String dir, long budget, int threads, String isa, String policy,
+                                            int horizon, String spillDir);
+    private static native int nativeCompact(long h, int conv, int horizon);
     private static native void nativeDestroy(long h);
     private static native int nativeNewConversation(long h);
     private static native void nativeClear(long h, int conv);

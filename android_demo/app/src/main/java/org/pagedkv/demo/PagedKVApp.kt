@@ -23,7 +23,10 @@ class PagedKVApp : Application() {
 
     /** The one engine of the process; its callbacks are re-posted to the main thread for the screen. */
     val engine: ChatEngine by lazy {
-        ChatEngine { main.post { listeners.toList().forEach { it() } } }.also { it.saveFile = File(filesDir, "chat.pkvc") }
+        ChatEngine { main.post { listeners.toList().forEach { it() } } }.also {
+            it.saveFile = File(filesDir, "chat.pkvc")
+            it.spillDir = cacheDir  // the adaptive ladder's spill rung (idle conversations)
+        }
     }
 
     fun addListener(l: () -> Unit) = listeners.add(l)
@@ -63,6 +66,6 @@ class PagedKVApp : Application() {
 
     override fun onTrimMemory(level: Int) {
         super.onTrimMemory(level)
-        engine.trim(level)  // saves the chat, then UI_HIDDEN / BACKGROUND shrink (what Android 14+ delivers)
+        engine.trim(level)  // UI_HIDDEN / BACKGROUND (what Android 14+ delivers): compact aged blocks, save, shrink
     }
 }

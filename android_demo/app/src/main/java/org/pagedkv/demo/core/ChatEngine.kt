@@ -40,6 +40,17 @@ class ChatEngine(private val onChange: () -> Unit) {
      * so a process Android killed comes back with its chat and no prefill. null: never saved.
      */
     @Volatile var saveFile: File? = null
+    /**
+     * The runner's pressure policy (RunnerConfig::policy), read by [start]: "adaptive" is issue 25's ladder. A
+     * turn that needs blocks that are not free first re-quantizes aged blocks into the .pte's compact region,
+     * then spills idle conversations to [spillDir], then slides; the check before each turn only sets the
+     * pool's limit, the runner climbs the ladder inside the turn.
+     */
+    var policy = "adaptive"
+    /** Recent tokens a conversation keeps in the default region (older blocks may go to the compact tier). */
+    var compactHorizon = 1024
+    /** Where idle conversations are spilled (the app's cache dir); null = no spill rung. */
+    var spillDir: File? = null
 
     /** Runs [body] on the runner's thread; any Throwable becomes a visible note, never a crash. */
     private fun task(what: String, body: () -> Unit) {
@@ -64,7 +75,8 @@ class ChatEngine(private val onChange: () -> Unit) {
         stats = null
         status = "Preallocating a ${budgetBytes shr 20} MiB KV pool, loading the model with $threads threads..."
         onChange()
-        val r = NativeRunner(modelDir.absolutePath, budgetBytes, threads)
+        val r = NativeRunner(modelDir.absolutePath, budgetBytes, threads, "", policy, compactHorizon,
+            spillDir?.absolutePath ?: "")
         runner = r
         conversation = restoreOrNew(r)
         budgetBlocks = r.stats().usableBlocks
@@ -154,18 +166,22 @@ class ChatEngine(private val onChange: () -> Unit) {
         r.save(conversation, f.absolutePath)
     }
 
-    /** Memory pressure (ComponentCallbacks2 level): saves the chat (the process may be killed next), then
-     *  gives free blocks' pages back per [PoolPolicy]. */
+    /** Memory pressure (ComponentCallbacks2 level). At the levels that shrink the pool ([PoolPolicy]) the
+     *  conversation's aged blocks first go to the compact tier (a .pte with a compact region, policy
+     *  "adaptive"; each frees a default block), then the chat is saved (the process may be killed next),
+     *  then free blocks' pages are given back. Other levels only save. */
     fun trim(level: Int) {
         val keep = PoolPolicy.keepFreeOnTrim(level)
         task("trimming the pool") {
             val r = runner ?: return@task
+            val moved = if (keep != null && policy == "adaptive" && ready && r.stats().compactBlocks > 0)
+                r.compact(conversation, compactHorizon) else 0
             saveNow()
             if (keep == null) return@task
             val res = r.shrink(r.stats().usedBlocks + keep)
             stats = r.stats()
-            status = "trim level $level: usable ${res.usableBefore} -> ${res.usableAfter} blocks, " +
-                "released ${res.releasedBytes shr 10} KiB" +
+            status = "trim level $level: " + (if (moved > 0) "$moved aged block(s) compacted, " else "") +
+                "usable ${res.usableBefore} -> ${res.usableAfter} blocks, released ${res.releasedBytes shr 10} KiB" +
                 (if (res.blockedByUsed > 0) ", ${res.blockedByUsed} used block(s) above the target" else "")
         }
     }

@@ -308,6 +308,130 @@ fun saveRestoreTests(fixtures: File) {
     dir.deleteRecursively()
 }
 
+/**
+ * trim's compact tier (issue 25) through the real runner. On a .pte with a compact region: trim BACKGROUND
+ * moves the conversation's aged blocks into it (stats' compactBlocksInUse counts them; the default blocks in
+ * use fall by as many), saves, then shrinks; a new process restores that compacted file without prefill and its
+ * next greedy turn is the one the trimmed engine gives. On a .pte without one: trim skips compaction.
+ */
+private const val story = "The river ran through the old town , past the mill and the church , and the children " +
+    "of the valley played on its banks every summer until the autumn rains came down from the hills ."
+
+fun compactTrimTests(fixtures: File) {
+    val art = File(fixtures, "artifacts")
+    val roomy = MemorySnapshot(4096 * MiB, 256 * MiB, false, 0)
+    val dir = Files.createTempDirectory("pagedkv-compact").toFile()
+    val file = File(dir, "chat.pkvc")
+    fun engine() = ChatEngine { }.also {
+        it.maxNewTokens = 1; it.temperature = 0f; it.saveFile = file; it.compactHorizon = 16; it.spillDir = dir
+    }
+
+    val a = engine()
+    a.start(art, 0, 1)
+    waitIdle(a)
+    if (a.stats!!.compactBlocks == 0) {
+        waitDone(a, a.send("Hello there, tell me a story about the river") { roomy }!!)
+        a.trim(PoolPolicy.TRIM_MEMORY_BACKGROUND)
+        a.refreshStats()
+        waitIdle(a)
+        val s = a.stats!!
+        check(s.compactBlocksInUse == 0 && a.status.startsWith("trim level 40: usable") &&
+            s.usableBlocks == s.usedBlocks && file.isFile,
+            "trim without a compact region skips compaction, saves and shrinks (${a.status})")
+        a.close(awaitMs = 10_000)
+        dir.deleteRecursively()
+        return
+    }
+    // a long message and a one-token reply: the next turn's re-render matches the cache (the tiny model's
+    // replies are noise that the tiny tokenizer does not always encode back to the same ids)
+    waitDone(a, a.send(story) { roomy }!!)
+    a.refreshStats()
+    waitIdle(a)
+    val before = a.stats!!
+    check(before.compactBlocksInUse == 0 && before.usedBlocks > 2, "a turn in a roomy pool compacts nothing (${before.usedBlocks} blocks)")
+    a.trim(PoolPolicy.TRIM_MEMORY_UI_HIDDEN - 1)  // a RUNNING_* level: save only, nothing compacted
+    a.refreshStats()
+    waitIdle(a)
+    check(a.stats!!.compactBlocksInUse == 0 && file.isFile, "trim below UI_HIDDEN saves without compacting")
+    a.trim(PoolPolicy.TRIM_MEMORY_BACKGROUND)
+    a.refreshStats()
+    waitIdle(a)
+    val s = a.stats!!
+    // Runner::compact called directly is not a ladder rung (compactions/compacted_blocks count the rungs a turn
+    // takes); the compact blocks the conversation holds are the ones trim moved.
+    val moved = s.compactBlocksInUse
+    // The shrink lowers the limit only down to the highest used block: the default blocks compaction freed are
+    // the oldest (low ids), so their pages stay committed below the limit; the next turns reuse them first.
+    check(moved > 0 && s.usedBlocks == before.usedBlocks - moved && s.usableBlocks <= before.usedBlocks &&
+        a.status.startsWith("trim level 40: $moved aged block(s) compacted"),
+        "trim compacts aged blocks, then shrinks ($moved moved, used ${before.usedBlocks} -> ${s.usedBlocks}, " +
+            "usable ${s.usableBlocks}: ${a.status})")
+    val saved = file.readBytes()
+    val prefill0 = s.prefillTokens
+    val goOn = a.send("and then what happened") { roomy }!!
+    waitDone(a, goOn)
+    a.refreshStats()
+    waitIdle(a)
+    val wantPrefill = a.stats!!.prefillTokens - prefill0
+    // (the tiny tokenizer does not encode the tiny model's reply back to the same ids, so chat() re-renders a
+    // conversation that differs from its cache and starts it over; runnerCompactTests checks the cache kept)
+    check(goOn.state == Transcript.State.DONE,
+        "the turn after the trim runs (${goOn.replyText.length} chars, " +
+            "${a.stats!!.compactBlocksInUse} compact blocks in use, prefilled $wantPrefill tokens)")
+    a.close(awaitMs = 10_000)
+
+    file.writeBytes(saved)  // what the trim saved: the compacted conversation
+    val b = engine()  // the process Android killed after the trim, started again
+    b.start(art, 0, 1)
+    waitIdle(b)
+    val r = b.stats!!
+    check(b.ready && r.compactBlocksInUse == moved && r.usedBlocks == s.usedBlocks && r.prefillTokens == 0L,
+        "start restores the compacted chat without prefill (${r.compactBlocksInUse} compact, ${r.usedBlocks} default blocks)")
+    val next = b.send("and then what happened") { roomy }!!
+    waitDone(b, next)
+    b.refreshStats()
+    waitIdle(b)
+    check(next.state == Transcript.State.DONE && next.replyText == goOn.replyText && b.stats!!.prefillTokens == wantPrefill,
+        "the restored compacted chat continues as the trimmed one did (reply '${next.replyText}' vs '${goOn.replyText}')")
+    b.close(awaitMs = 10_000)
+    dir.deleteRecursively()
+}
+
+/** NativeRunner.compact on the cache generate() extends (no re-render): the next greedy tokens prefill only the
+ *  new ids over the compacted blocks, and a runner that restores the compacted file gives the same tokens. */
+fun runnerCompactTests(fixtures: File) {
+    val art = File(fixtures, "artifacts").absolutePath
+    val file = Files.createTempFile("pagedkv-compact", ".pkvc").toFile()
+    org.pagedkv.demo.NativeRunner(art, 0, 1, "", "adaptive", 16, "").use { r ->
+        val c = r.newConversation()
+        val ids = r.encode(story)
+        r.generate(c, ids, 1, 0f, 0, 1f, 0, null)
+        if (r.stats().compactBlocks == 0) {
+            throws(org.pagedkv.demo.PagedKVException::class.java, "compact on a .pte without a compact region throws") {
+                r.compact(c, 16)
+            }
+            return
+        }
+        val used = r.stats().usedBlocks
+        val moved = r.compact(c, 16)
+        check(moved > 0 && r.stats().compactBlocksInUse == moved && r.stats().usedBlocks == used - moved,
+            "NativeRunner.compact moves aged blocks ($moved, default blocks $used -> ${r.stats().usedBlocks})")
+        r.save(c, file.absolutePath)
+        val more = r.encode(" and the mill")
+        val p0 = r.stats().prefillTokens
+        val want = r.generate(c, more, 8, 0f, 0, 1f, 0, null)
+        check(r.stats().prefillTokens - p0 == more.size.toLong() + 1 && r.stats().compactBlocksInUse == moved,
+            "generate after compact prefills only the new ids over the compact blocks (${r.stats().prefillTokens - p0})")
+        org.pagedkv.demo.NativeRunner(art, 0, 1, "", "adaptive", 16, "").use { b ->
+            val rc = b.restore(file.absolutePath)
+            val got = b.generate(rc, more, 8, 0f, 0, 1f, 0, null)
+            check(b.stats().compactBlocksInUse == moved && got.contentEquals(want),
+                "the restored compacted cache gives the same greedy tokens (${got.toList()} vs ${want.toList()})")
+        }
+    }
+    file.delete()
+}
+
 private fun waitDone(engine: ChatEngine, turn: Transcript.Turn): Boolean {
     val deadline = System.currentTimeMillis() + 120_000
     while ((turn.state == Transcript.State.QUEUED || turn.state == Transcript.State.RUNNING) && System.currentTimeMillis() < deadline)
@@ -327,6 +451,8 @@ fun main(args: Array<String>) {
     if (args.isNotEmpty()) {
         engineTests(File(args[0]))
         saveRestoreTests(File(args[0]))
+        compactTrimTests(File(args[0]))
+        runnerCompactTests(File(args[0]))
     }
     println("$passed passed, $failed failed")
     if (failed > 0) kotlin.system.exitProcess(1)
