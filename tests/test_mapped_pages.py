@@ -1,8 +1,11 @@
 """The runner's mapped-page release (android_demo/native/src/mapped_pages.h, issue 23) on a real file:
 mapped_pages_test.cpp maps a 4 MiB file read-only and a writable private copy of it, and checks that
 release() unmaps exactly the read-only mapping's pages (smaps Rss 0), the data reads back the same, the
-written private page is left alone, and PAGEDKV_KEEP_MAPPED_PAGES=1 turns it off. Linux only (madvise,
-/proc/self/smaps), like the runner."""
+written private page is left alone, and PAGEDKV_KEEP_MAPPED_PAGES=1 turns it off; that later calls reuse
+the ranges prepare() found without reading /proc/self/maps again, and read it again when a range changed: an
+anonymous mapping holding data in a released range's place is never advised (its data intact), the file
+mapped again elsewhere is found. Linux only (madvise, /proc/self/smaps, /proc/self/map_files), like the
+runner."""
 
 from __future__ import annotations
 

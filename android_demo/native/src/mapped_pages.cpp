@@ -45,25 +45,61 @@ static bool keep_requested() {
 
 MappedPages::MappedPages(std::string path) : path_(std::move(path)), enabled_(!keep_requested()) {}
 
+// "/proc/self/map_files/START-END" of a mapping (lowercase hex, no leading zeros: the kernel's names)
+static std::string map_files_entry(const FileMapping& m) {
+  char name[64];
+  std::snprintf(name, sizeof name, "/proc/self/map_files/%lx-%lx", static_cast<unsigned long>(m.start),
+                static_cast<unsigned long>(m.end));
+  return name;
+}
+
+// the link target of a map_files entry, or "" when there is no such mapping (or it cannot be read)
+static std::string map_files_link(const FileMapping& m) {
+  char buf[4096];
+  const ssize_t n = readlink(map_files_entry(m).c_str(), buf, sizeof buf);
+  return n > 0 && static_cast<size_t>(n) < sizeof buf ? std::string(buf, static_cast<size_t>(n)) : std::string();
+}
+
+void MappedPages::remember(std::vector<FileMapping> maps) {
+  kept_ = std::move(maps);
+  links_.clear();
+  links_ok_ = !kept_.empty();  // nothing mapped yet: look again next time
+  for (const auto& m : kept_) {
+    links_.push_back(map_files_link(m));
+    links_ok_ = links_ok_ && !links_.back().empty();
+  }
+}
+
+bool MappedPages::kept_ranges_unchanged() const {
+  if (!links_ok_) return false;
+  for (size_t i = 0; i < kept_.size(); ++i)
+    if (map_files_link(kept_[i]) != links_[i]) return false;
+  return true;
+}
+
 void MappedPages::prepare() {
   if (!enabled_) return;
-  const auto maps = read_only_mappings(path_);
-  for (const auto& m : maps) {
+  remember(read_only_mappings(path_));
+  for (const auto& m : kept_) {
     void* p = reinterpret_cast<void*>(m.start);
     madvise(p, m.end - m.start, MADV_RANDOM);
     madvise(p, m.end - m.start, MADV_DONTNEED);
   }
   const int fd = open(path_.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return;  // advice only: without it the pages are merely larger
-  for (const auto& m : maps)
+  for (const auto& m : kept_)
     posix_fadvise(fd, static_cast<off_t>(m.offset), static_cast<off_t>(m.end - m.start), POSIX_FADV_DONTNEED);
   close(fd);
 }
 
 int64_t MappedPages::release() {
   if (!enabled_) return 0;
+  if (!kept_ranges_unchanged()) {  // a kept range changed (or cannot be checked): read the maps again
+    remember(read_only_mappings(path_));
+    ++rereads_;
+  }
   int64_t n = 0;
-  for (const auto& m : read_only_mappings(path_))
+  for (const auto& m : kept_)
     if (madvise(reinterpret_cast<void*>(m.start), m.end - m.start, MADV_DONTNEED) == 0)
       n += static_cast<int64_t>(m.end - m.start);
   return n;

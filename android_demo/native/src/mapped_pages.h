@@ -20,7 +20,22 @@
 // last call mapped stays visible in the runner's memory breakdown.
 //
 // Only mappings of this exact file (same device and inode) that are read-only (r--p, or r--s as
-// ExecuTorch's MmapDataLoader maps it) are touched, re-read from /proc/self/maps each time (a range freed since is never advised).
+// ExecuTorch's MmapDataLoader maps it) are touched. prepare() finds them in /proc/self/maps and keeps
+// the list; release() does not re-read /proc/self/maps (its cost grows with the process's mappings:
+// ~100 in the host runner, thousands in an Android app process; one read took 170-280 us with 143
+// mappings and 3.4-4.9 ms with 3,043 on a loaded 2-core Xeon, i.e. 0.5-0.8% and 10-15% of a 33 ms
+// decode step at ~30 tok/s, against 2-6 us for release() on kept ranges: `mapped_pages_test DIR
+// --bench 100 2000` and `--bench 3000 300`, native/tests/mapped_pages_test.cpp) but checks each kept range
+// first, with one readlink of /proc/self/map_files/START-END: that entry exists only while one mapping
+// spans exactly [START, END) and is file-backed, and it names the file. Only when every kept range is
+// still exactly a mapping of the file named as in prepare() are the kept ranges advised; otherwise
+// (one unmapped, split, or reused: an anonymous mapping there has no entry, so MADV_DONTNEED never
+// reaches its data) release() re-reads /proc/self/maps and keeps the new list. Where map_files is not
+// readable (an old kernel or a sandbox denying it), or no mapping of the file was found, every release()
+// re-reads /proc/self/maps.
+// Assumed, not checked per call: a kept range's protection does not change (nothing mprotects the
+// program's mapping; ExecuTorch's loader maps it PROT_READ). A mapping of the file made after the last
+// (re-)read is not released until a kept range changes.
 // PAGEDKV_KEEP_MAPPED_PAGES=1 turns both off (for before/after measurements).
 #pragma once
 
@@ -44,10 +59,18 @@ class MappedPages {
   bool enabled() const { return enabled_; }
   void prepare();     // once after loading: see above
   int64_t release();  // before a graph call: bytes of mapping advised (0 when off or nothing mapped)
+  int64_t rereads() const { return rereads_; }  // release() calls that re-read /proc/self/maps
 
  private:
+  void remember(std::vector<FileMapping> maps);  // keep maps and each one's map_files link target
+  bool kept_ranges_unchanged() const;
+
   std::string path_;
   bool enabled_;
+  std::vector<FileMapping> kept_;   // the file's read-only mappings at the last read of /proc/self/maps
+  std::vector<std::string> links_;  // readlink of /proc/self/map_files/START-END of each kept range
+  bool links_ok_ = false;           // every kept range's link was readable (else release() re-reads)
+  int64_t rereads_ = 0;
 };
 
 }  // namespace pagedkv_rt
