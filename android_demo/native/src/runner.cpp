@@ -1,4 +1,4 @@
-#include "runner.h"
+#include "runner_impl.h"
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -13,14 +13,6 @@
 #include <sstream>
 #include <tuple>
 
-#include <executorch/extension/module/module.h>
-#include <executorch/extension/tensor/tensor.h>
-#include <executorch/runtime/core/hierarchical_allocator.h>
-
-#include "chat_template.h"
-#include "conversation_file.h"
-#include "json.h"
-#include "mapped_pages.h"
 #include "pagedkv_core.h"
 
 // ExecuTorch's threadpool: the executorch wheel ships its library (libexecutorch_threadpool.so, linked
@@ -41,10 +33,6 @@ extern "C" int pagedkv_et_pool_view(int64_t layer, int which, void** data, int64
 
 namespace pagedkv_rt {
 
-namespace et = executorch::runtime;
-using executorch::aten::ScalarType;
-using executorch::extension::Module;
-
 namespace {
 
 std::string read_text(const std::string& path, const char* what) {
@@ -58,1304 +46,651 @@ std::string read_text(const std::string& path, const char* what) {
   return ss.str();
 }
 
-size_t page_size() {
-  long p = sysconf(_SC_PAGESIZE);
-  return p > 0 ? static_cast<size_t>(p) : 4096;
-}
-
-// One memory-planned arena of the program, mapped by us (anonymous, private, page aligned).
-struct Arena {
-  uint8_t* ptr = nullptr;
-  size_t size = 0;
-  ~Arena() {
-    if (ptr) munmap(ptr, size);
-  }
-};
-
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// A JSON string literal (the chat messages in a conversation file's app bytes).
-std::string json_quote(const std::string& s) {
-  std::string o = "\"";
-  for (unsigned char ch : s) {
-    if (ch == '"' || ch == '\\') {
-      o += '\\';
-      o += static_cast<char>(ch);
-    } else if (ch < 0x20) {
-      char b[8];
-      std::snprintf(b, sizeof b, "\\u%04x", ch);
-      o += b;
-    } else {
-      o += static_cast<char>(ch);
-    }
-  }
-  return o + "\"";
-}
-
 }  // namespace
 
-struct Runner::Impl {
-  RunnerConfig cfg;
-  // manifest
-  int num_layers = 0, kv_heads = 0, head_dim = 0, block_size = 0, num_blocks = 0, max_seqs = 0;
-  int layers_per_arena = 1, max_tokens_per_call = 0, max_blocks_per_seq = 0, vocab_size = 0;
-  int64_t bytes_per_token = 0, stage_bytes_per_seq = 0, codes_bytes_per_layer = 0;
-  int64_t pool_fixed_bytes = 0;  // pool bytes that do not depend on the block count (stage rows, placeholders)
-  // what a conversation file must match (toolkit/CONVERSATION_FORMAT.md): the .pte's sha256, the spec,
-  // the record sizes; sha_known is false for a manifest without the .pte's sha256 (save/restore refuse)
-  std::array<uint8_t, 32> model_sha{};
-  bool sha_known = false;
-  ConvSpec conv_spec;
-  uint32_t codes_itemsize = 1, code_bytes = 0, scale_bytes = 0;
-  bool has_stage = false;
-  bool has_logits_rows = false;  // the program's last input selects the rows of the logits
-  int manifest_logits_rows = -1;  // the manifest's .pte inputs end with logits_rows (1), do not (0), unlisted (-1)
-  bool ran_step = false;  // this runner's program has run: the kernels' pool views can be its own
-  // the compact region (the compact tier, issue 25): the manifest's pool.compact / num_compact_blocks /
-  // compact_*_shape, and the .pte's compact_codes_L / compact_scales_L inputs of the global group's layers
-  // (after the block tables, before logits_rows, in the order the manifest's input names give). The
-  // program reads them in place (inputs it does not memory-plan): this runner's memory, one mapping
-  // allocated and zeroed at startup, passed in every call. The block manager's compact region (ids from
-  // num_blocks) names its blocks; compact_aged fills them (requantize_records), save/restore carry them.
-  struct CompactInput {
-    int layer = 0;
-    bool scales = false;        // compact_scales_L (float16) or compact_codes_L (uint8)
-    std::vector<int64_t> shape;  // [num_compact_blocks, kv_heads, block_size, width]
-    size_t offset = 0, bytes = 0;  // in compact_mem
-  };
-  int num_compact_blocks = 0;
-  int compact_code_width = 0, compact_scale_width = 0;  // uint8 codes, float16 scales per record
-  std::vector<CompactInput> compact_inputs;
-  std::unique_ptr<Arena> compact_mem;
-  std::vector<executorch::extension::TensorPtr> compact_tensors;  // views of compact_mem, input order
-  ConvSpec compact_conv_spec;         // the manifest's compact spec (a conversation file's compact_spec)
-  RecordBits spec_bits, compact_bits;  // what re-quantization reads and writes
-  std::vector<std::pair<int, int>> compact_of_layer;  // layer -> its (codes, scales) in compact_inputs; -1: none
-  // memory
-  std::vector<std::unique_ptr<Arena>> arenas;  // index i = memory id i + 1 (0: activations)
-  std::vector<et::Span<uint8_t>> spans;
-  std::unique_ptr<et::HierarchicalAllocator> planned;
-  std::unique_ptr<Module> module;
-  std::unique_ptr<MappedPages> mapped;  // the .pte's mapped pages, unmapped before each call (mapped_pages.h)
-  // layer groups (the manifest's "groups" entry; without it one global group of every layer): one block
-  // table per group, passed as block_tables, block_tables_1, ... (the .pte's input order)
-  std::vector<LayerGroup> groups;
-  std::vector<int> layer_group;  // layer -> its group
-  bool grouped = false;          // the manifest has a groups entry (stats report each group)
-  std::vector<int> peak_used;    // per group: the most blocks in use at once
-  std::unique_ptr<GroupedBlockManager> pool;
-  int budget_limit = 0;  // usable blocks the budget allows (grow never goes above)
-  // conversations
-  struct Conv {
-    int seq;  // kSpilled while its cache lies in a spill file
-    std::vector<int32_t> history, pending;
-    std::vector<std::pair<std::string, std::string>> messages;  // (role, content) for the chat template
-    int64_t last_used = 0;  // the clock of the last step that touched it (the ladder's least recently used)
-    std::string spill;      // adaptive: its spill file ("" = resident)
-  };
-  static constexpr int kSpilled = -1;
-  int64_t clock = 0;  // one tick per step (runtime_sim's Engine.clock)
-  LadderStats ladder;  // the pressure ladder's counters
-  std::map<int, Conv> convs;
-  int next_conv = 0;
-  // counters
-  int64_t prefill_tokens = 0, decode_tokens = 0;
-  double prefill_s = 0, decode_s = 0;
-  std::mutex mu;                // the runner (generate/clear/shrink)
-  mutable std::mutex stats_mu;  // the snapshot
-  PoolStats snapshot;
+int Runner::Impl::budget_blocks(int64_t budget_bytes) const {
+  const int64_t per_block = group_block_bytes(0);      // bytes_per_token * block_size without groups
+  const int64_t fixed = budget_fixed_bytes();          // pool_fixed_bytes without groups
+  const int64_t room = budget_bytes - fixed;
+  const int64_t fit = room < 0 ? 0 : room / per_block;
+  if (fit < kMinPoolBlocks)
+    throw RunnerError(ErrorCode::kArgument,
+                      "pool budget of " + std::to_string(budget_bytes) + " bytes is too small: it holds fewer than " +
+                          std::to_string(kMinPoolBlocks) + " blocks of " + std::to_string(block_size) +
+                          " tokens; the smallest pool needs " +
+                          std::to_string(fixed + kMinPoolBlocks * per_block) + " bytes (" +
+                          std::to_string(per_block) + " per block + " + std::to_string(fixed) +
+                          " that do not depend on the block count). Raise the budget.");
+  return static_cast<int>(std::min<int64_t>(fit, groups[0].num_blocks));
+}
 
-  int64_t block_bytes_layer() const { return codes_bytes_per_layer / num_blocks; }
-  bool per_layer_arenas() const { return layers_per_arena == 1; }
-  // codes bytes of one layer: its group's block count (a sliding group's pool is smaller)
-  int64_t codes_bytes_of_layer(int layer) const {
-    return block_bytes_layer() * groups[static_cast<size_t>(layer_group[static_cast<size_t>(layer)])].num_blocks;
+void Runner::Impl::refresh_stats() {
+  PoolStats s;
+  const BlockManager& main = pool->main();
+  s.total_blocks = main.num_blocks();
+  s.usable_blocks = main.limit();
+  s.used_blocks = main.num_used();
+  s.free_blocks = main.num_free();
+  s.block_size = block_size;
+  s.sequences = static_cast<int>(pool->live_sequences().size());
+  s.bytes_per_block = bytes_per_token * block_size;
+  s.pool_fixed_bytes = pool_fixed_bytes;
+  s.kv_bytes_in_use = s.sequences * stage_bytes_per_seq;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const BlockManager& p = pool->pool(g);
+    s.kv_bytes_in_use += p.num_used() * group_block_bytes(g);
+    if (grouped)
+      s.groups.push_back(GroupStats{groups[g].window, static_cast<int>(groups[g].layers.size()), p.num_blocks(),
+                                    p.limit(), p.num_used(), p.num_free(), peak_used[g], group_block_bytes(g)});
   }
-  // pool bytes of one block of group g's layers (bytes_per_token covers every layer, each the same)
-  int64_t group_block_bytes(size_t g) const {
-    return bytes_per_token / num_layers * static_cast<int64_t>(groups[g].layers.size()) * block_size;
+  s.committed_bytes = committed_bytes();
+  for (const auto& a : arenas) {
+    s.reserved_bytes += static_cast<int64_t>(a->size);
+    s.largest_allocation_bytes = std::max<int64_t>(s.largest_allocation_bytes, static_cast<int64_t>(a->size));
   }
-  // the pool bytes a budget must hold whatever group 0's block count: the fixed part and the other
-  // groups' blocks (they are always all usable)
-  int64_t budget_fixed_bytes() const {
-    int64_t b = pool_fixed_bytes;
-    for (size_t g = 1; g < groups.size(); ++g) b += group_block_bytes(g) * groups[g].num_blocks;
-    return b;
+  s.num_allocations = static_cast<int>(arenas.size());
+  if (compact_mem) {  // the compact region: one mapping, all of it committed
+    s.reserved_bytes += static_cast<int64_t>(compact_mem->size);
+    s.largest_allocation_bytes = std::max<int64_t>(s.largest_allocation_bytes, static_cast<int64_t>(compact_mem->size));
+    s.num_allocations += 1;
+    s.compact_blocks = num_compact_blocks;
+    for (const CompactInput& c : compact_inputs) s.compact_bytes += static_cast<int64_t>(c.bytes);
   }
+  s.ladder = ladder;
+  s.ladder.policy = cfg.policy;
+  s.ladder.spilled_now = 0;
+  for (const auto& kv : convs) s.ladder.spilled_now += kv.second.spill.empty() ? 0 : 1;
+  s.ladder.compact_blocks_in_use = main.num_compact_blocks() - main.num_free_compact();
+  s.prefill_tokens = prefill_tokens;
+  s.decode_tokens = decode_tokens;
+  s.prefill_tok_s = prefill_s > 0 ? prefill_tokens / prefill_s : 0;
+  s.decode_tok_s = decode_s > 0 ? decode_tokens / decode_s : 0;
+  s.isa = pagedkv::isa_name(pagedkv::active_isa());
+  s.threads = static_cast<int>(executorch::extension::threadpool::get_threadpool()->get_thread_count());
+  std::lock_guard<std::mutex> g(stats_mu);
+  snapshot = s;
+}
 
-  int64_t committed_bytes() const {
-    int64_t c = static_cast<int64_t>(arenas.empty() ? 0 : arenas[0]->size);
-    for (size_t i = 1; i < arenas.size(); ++i) {
-      if (per_layer_arenas() && layer_group[i - 1] == 0)  // group 0's blocks are committed up to the limit
-        c += static_cast<int64_t>(arenas[i]->size) - codes_bytes_of_layer(static_cast<int>(i - 1)) +
-             pool->main().limit() * block_bytes_layer();
-      else
-        c += static_cast<int64_t>(arenas[i]->size);
-    }
-    if (compact_mem) c += static_cast<int64_t>(compact_mem->size);
-    return c;
+void Runner::Impl::load_manifest(const std::string& dir) {
+  Json m;
+  try {
+    m = Json::parse(read_text(dir + "/pagedkv.json", "manifest"));
+  } catch (const RunnerError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw RunnerError(ErrorCode::kArtifact, dir + "/pagedkv.json is not valid: " + e.what() +
+                                                ". Re-run `pagedkv export`.");
   }
-
-  // The usable blocks a byte budget allows: the most blocks whose whole pool fits, at most the exported
-  // num_blocks, at least kMinPoolBlocks. The twin of toolkit.pool_layout.blocks_for_budget / budget_blocks
-  // (same formula from the manifest's pool fields, same minimum; tests/test_runner_cli.py compares them).
-  static constexpr int kMinPoolBlocks = 2;  // toolkit.pool_layout.MIN_POOL_BLOCKS
-  static constexpr int64_t kMaxCompactBlocks = 1 << 24;  // export.artifacts.MAX_POOL_TOKENS (PoolRequest.check)
-  int budget_blocks(int64_t budget_bytes) const {
-    const int64_t per_block = group_block_bytes(0);      // bytes_per_token * block_size without groups
-    const int64_t fixed = budget_fixed_bytes();          // pool_fixed_bytes without groups
-    const int64_t room = budget_bytes - fixed;
-    const int64_t fit = room < 0 ? 0 : room / per_block;
-    if (fit < kMinPoolBlocks)
-      throw RunnerError(ErrorCode::kArgument,
-                        "pool budget of " + std::to_string(budget_bytes) + " bytes is too small: it holds fewer than " +
-                            std::to_string(kMinPoolBlocks) + " blocks of " + std::to_string(block_size) +
-                            " tokens; the smallest pool needs " +
-                            std::to_string(fixed + kMinPoolBlocks * per_block) + " bytes (" +
-                            std::to_string(per_block) + " per block + " + std::to_string(fixed) +
-                            " that do not depend on the block count). Raise the budget.");
-    return static_cast<int>(std::min<int64_t>(fit, groups[0].num_blocks));
-  }
-
-  void refresh_stats() {
-    PoolStats s;
-    const BlockManager& main = pool->main();
-    s.total_blocks = main.num_blocks();
-    s.usable_blocks = main.limit();
-    s.used_blocks = main.num_used();
-    s.free_blocks = main.num_free();
-    s.block_size = block_size;
-    s.sequences = static_cast<int>(pool->live_sequences().size());
-    s.bytes_per_block = bytes_per_token * block_size;
-    s.pool_fixed_bytes = pool_fixed_bytes;
-    s.kv_bytes_in_use = s.sequences * stage_bytes_per_seq;
-    for (size_t g = 0; g < groups.size(); ++g) {
-      const BlockManager& p = pool->pool(g);
-      s.kv_bytes_in_use += p.num_used() * group_block_bytes(g);
-      if (grouped)
-        s.groups.push_back(GroupStats{groups[g].window, static_cast<int>(groups[g].layers.size()), p.num_blocks(),
-                                      p.limit(), p.num_used(), p.num_free(), peak_used[g], group_block_bytes(g)});
-    }
-    s.committed_bytes = committed_bytes();
-    for (const auto& a : arenas) {
-      s.reserved_bytes += static_cast<int64_t>(a->size);
-      s.largest_allocation_bytes = std::max<int64_t>(s.largest_allocation_bytes, static_cast<int64_t>(a->size));
-    }
-    s.num_allocations = static_cast<int>(arenas.size());
-    if (compact_mem) {  // the compact region: one mapping, all of it committed
-      s.reserved_bytes += static_cast<int64_t>(compact_mem->size);
-      s.largest_allocation_bytes = std::max<int64_t>(s.largest_allocation_bytes, static_cast<int64_t>(compact_mem->size));
-      s.num_allocations += 1;
-      s.compact_blocks = num_compact_blocks;
-      for (const CompactInput& c : compact_inputs) s.compact_bytes += static_cast<int64_t>(c.bytes);
-    }
-    s.ladder = ladder;
-    s.ladder.policy = cfg.policy;
-    s.ladder.spilled_now = 0;
-    for (const auto& kv : convs) s.ladder.spilled_now += kv.second.spill.empty() ? 0 : 1;
-    s.ladder.compact_blocks_in_use = main.num_compact_blocks() - main.num_free_compact();
-    s.prefill_tokens = prefill_tokens;
-    s.decode_tokens = decode_tokens;
-    s.prefill_tok_s = prefill_s > 0 ? prefill_tokens / prefill_s : 0;
-    s.decode_tok_s = decode_s > 0 ? decode_tokens / decode_s : 0;
-    s.isa = pagedkv::isa_name(pagedkv::active_isa());
-    s.threads = static_cast<int>(executorch::extension::threadpool::get_threadpool()->get_thread_count());
-    std::lock_guard<std::mutex> g(stats_mu);
-    snapshot = s;
-  }
-
-  // Touch (commit) or release the pages of blocks [lo, hi) in the codes region of every layer of group 0
-  // (the group the budget and shrink/grow limit; the other groups' arenas stay committed whole).
-  int64_t touch_blocks(int lo, int hi, bool commit) {
-    if (!per_layer_arenas() || hi <= lo) return 0;
-    const size_t ps = page_size();
-    const size_t bbl = static_cast<size_t>(block_bytes_layer());
-    int64_t done = 0;
-    for (size_t i = 1; i < arenas.size(); ++i) {
-      if (layer_group[i - 1] != 0) continue;
-      size_t a = static_cast<size_t>(lo) * bbl, b = static_cast<size_t>(hi) * bbl;
-      if (commit) {
-        std::memset(arenas[i]->ptr + a, 0, b - a);
-        done += static_cast<int64_t>(b - a);
-      } else {
-        a = (a + ps - 1) / ps * ps;  // only whole pages inside the free range
-        b = b / ps * ps;
-        if (b > a && madvise(arenas[i]->ptr + a, b - a, MADV_DONTNEED) == 0) done += static_cast<int64_t>(b - a);
-      }
-    }
-    return done;
-  }
-
-  void load_manifest(const std::string& dir) {
-    Json m;
-    try {
-      m = Json::parse(read_text(dir + "/pagedkv.json", "manifest"));
-    } catch (const RunnerError&) {
-      throw;
-    } catch (const std::exception& e) {
-      throw RunnerError(ErrorCode::kArtifact, dir + "/pagedkv.json is not valid: " + e.what() +
-                                                  ". Re-run `pagedkv export`.");
-    }
-    try {
-      if (m["format_version"].as_int() != 1)
-        throw RunnerError(ErrorCode::kArtifact, "pagedkv.json format_version " +
-                                                    std::to_string(m["format_version"].as_int()) +
-                                                    ", this runner reads 1: re-export with a matching pagedkv.");
-      const Json& pool = m["pool"];
-      num_layers = static_cast<int>(pool["num_layers"].as_int());
-      kv_heads = static_cast<int>(pool["num_kv_heads"].as_int());
-      head_dim = static_cast<int>(pool["head_dim"].as_int());
-      block_size = static_cast<int>(pool["block_size"].as_int());
-      num_blocks = static_cast<int>(pool["num_blocks"].as_int());
-      max_seqs = static_cast<int>(pool["max_seqs"].as_int());
-      bytes_per_token = pool["bytes_per_token"].as_int();
-      // PoolLayout.fixed_bytes: total_bytes == num_blocks * block_size * bytes_per_token + fixed
-      pool_fixed_bytes = pool["total_bytes"].as_int() - static_cast<int64_t>(num_blocks) * block_size * bytes_per_token;
-      if (num_blocks < 1 || block_size < 1 || bytes_per_token < 1 || pool_fixed_bytes < 0)
-        throw RunnerError(ErrorCode::kArtifact,
-                          dir + "/pagedkv.json's pool sizes do not add up (num_blocks " + std::to_string(num_blocks) +
-                              ", block_size " + std::to_string(block_size) + ", bytes_per_token " +
-                              std::to_string(bytes_per_token) + ", total_bytes " +
-                              std::to_string(pool["total_bytes"].as_int()) +
-                              "; total_bytes must be at least their product): re-run `pagedkv export`.");
-      const std::string dtype = pool["codes_dtype"].as_string();
-      int64_t elem = dtype == "float32" ? 4 : dtype == "float16" ? 2 : 1;
-      int64_t n = 1;
-      for (const Json& d : pool["codes_shape"].items()) n *= d.as_int();
-      codes_bytes_per_layer = n * elem;
-      int64_t stage_rows = pool["stage_shape"][0].as_int();
-      int64_t stage_n = 1;
-      for (const Json& d : pool["stage_shape"].items()) stage_n *= d.as_int();
-      stage_bytes_per_seq = stage_rows > 1 ? stage_n / stage_rows * 2 * num_layers : 0;
-      load_record_format(pool, elem);
-      load_compact(pool, dir);
-      const Json* pte = m["artifacts"].find("pte");
-      if (!pte)
-        throw RunnerError(ErrorCode::kArtifact, dir + " has no .pte artifact: export it with `pagedkv export --format pte`.");
-      layers_per_arena = static_cast<int>((*pte)["layers_per_arena"].as_int());
-      max_tokens_per_call = static_cast<int>((*pte)["max_tokens_per_call"].as_int());
-      max_blocks_per_seq = static_cast<int>((*pte)["max_blocks_per_seq"].as_int());
-      vocab_size = static_cast<int>(m["model"]["vocab_size"].as_int());
-      for (const Json& e : m["model"]["eos_token_ids"].items()) eos.push_back(static_cast<int32_t>(e.as_int()));
-      if (const Json* st = m.find("stop_token_ids"))  // the chat's extra stop ids (end-of-turn tokens)
-        for (const Json& e : st->items()) eos.push_back(static_cast<int32_t>(e.as_int()));
-      if (const Json* ct = m.find("chat_template"))
-        if (ct->is_string()) chat_template_src = ct->as_string();
-      if (const Json* tf = m.find("tokenizer_files"))
-        for (const Json& e : tf->items()) tokenizer_files.push_back(e.as_string());
-      pte_file = (*pte)["file"].as_string();
-      if (const Json* sha = pte->find("sha256"); sha && sha->is_string()) sha_known = parse_sha256(sha->as_string());
-      load_groups(m, *pte, dir);
-    } catch (const RunnerError&) {
-      throw;
-    } catch (const std::exception& e) {
-      throw RunnerError(ErrorCode::kArtifact, dir + "/pagedkv.json is incomplete (" + e.what() +
-                                                  "): re-run `pagedkv export --format pte`.");
-    }
-  }
-  // The spec and record sizes of the pool (a conversation file must have the same ones).
-  void load_record_format(const Json& pool, int64_t elem) {
-    const Json& sp = pool["spec"];
-    auto num = [&](const char* k) -> uint32_t {
-      const Json& v = sp[k];
-      return v.is_number() ? static_cast<uint32_t>(v.as_int()) : (v.as_bool() ? 1u : 0u);
-    };
-    conv_spec = ConvSpec{num("k_bits"), num("v_bits"), num("k_group"), num("v_group"), num("k_sym"),
-                         num("v_sym"), num("rotate"), num("fp_tail"), num("sink_blocks")};
-    const bool is_float = conv_spec.k_bits == 16 || conv_spec.k_bits == 32;
-    codes_itemsize = static_cast<uint32_t>(elem);
-    code_bytes = static_cast<uint32_t>(pool["codes_shape"].items().back().as_int() * elem);
-    scale_bytes = is_float ? 0 : static_cast<uint32_t>(pool["scales_shape"].items().back().as_int() * 2);
-    has_stage = !is_float && (conv_spec.fp_tail || conv_spec.sink_blocks);
-    spec_bits = RecordBits{static_cast<int>(conv_spec.k_bits), static_cast<int>(conv_spec.v_bits),
-                           static_cast<int>(conv_spec.k_group), static_cast<int>(conv_spec.v_group),
-                           conv_spec.k_sym != 0, conv_spec.v_sym != 0};
-  }
-
-  // The manifest's compact region (PoolLayout.to_dict with a compact region): compact (the compact
-  // spec) and num_compact_blocks together, and the shapes the spec gives; checked like the rest of the
-  // pool (toolkit/manifest.py _check_pool, toolkit/kv_spec.py check_compact), one line on any bad value.
-  void load_compact(const Json& pool, const std::string& dir) {
-    auto bad = [&](const std::string& what) {
-      return RunnerError(ErrorCode::kArtifact, dir + "/pagedkv.json's pool " + what +
-                                                   ": re-run `pagedkv export --compact-blocks N`.");
-    };
-    num_compact_blocks = 0;
-    const Json* spec = pool.find("compact");
-    const Json* n = pool.find("num_compact_blocks");
-    if (!spec && !n) return;  // a pool without a compact region
-    if (!spec || !n) throw bad("has half a compact region (compact and num_compact_blocks go together)");
-    if (!n->is_number() || n->as_int() < 1 || n->as_int() > kMaxCompactBlocks)
-      throw bad("has num_compact_blocks " + (n->is_number() ? std::to_string(n->as_int()) : std::string("?")) +
-                ", outside 1.." + std::to_string(kMaxCompactBlocks));
-    if (!spec->is_object()) throw bad("has a compact spec that is not an object");
-    auto num = [&](const char* k) -> int64_t {
-      const Json* v = spec->find(k);
-      if (!v) throw bad(std::string("has a compact spec without ") + k);
-      return v->is_number() ? v->as_int() : (v->as_bool() ? 1 : 0);
-    };
-    pagedkv::PagedAttnParams p;
-    p.D = head_dim;
-    const int64_t kb = num("k_bits"), vb = num("v_bits"), kg = num("k_group"), vg = num("v_group");
-    const bool rot = num("rotate") != 0;
-    const std::string desc = "K" + std::to_string(kb) + "/V" + std::to_string(vb) + " groups " + std::to_string(kg) +
-                             "/" + std::to_string(vg);
-    auto group_ok = [&](int64_t g) { return g == 0 || (g >= 1 && g <= head_dim && head_dim % g == 0); };
-    if (kb < 2 || kb > 8 || vb < 2 || vb > 8 || !group_ok(kg) || !group_ok(vg) || head_dim % 8)
-      throw bad("has an invalid compact spec (" + desc + " for head_dim " + std::to_string(head_dim) + ")");
-    if (conv_spec.k_bits == 16 || conv_spec.k_bits == 32)
-      throw bad("has a compact region beside a float spec (the compact tier re-quantizes integer codes)");
-    if (rot != (conv_spec.rotate != 0)) throw bad("has a compact spec whose rotation differs from the pool's");
-    p.ck_bits = static_cast<int>(kb), p.cv_bits = static_cast<int>(vb);
-    p.ck_group = static_cast<int>(kg), p.cv_group = static_cast<int>(vg);
-    p.ck_sym = num("k_sym") != 0, p.cv_sym = num("v_sym") != 0;
-    pagedkv::compact_record_widths(p, &compact_code_width, &compact_scale_width);
-    if (compact_code_width + 2 * compact_scale_width >= static_cast<int>(code_bytes + scale_bytes))
-      throw bad("has a compact spec (" + desc + ") that is not smaller than the pool's spec");
-    num_compact_blocks = static_cast<int>(n->as_int());
-    compact_bits = RecordBits{p.ck_bits, p.cv_bits, p.ck_group, p.cv_group, p.ck_sym, p.cv_sym};
-    auto u = [&](const char* k) { return static_cast<uint32_t>(num(k)); };
-    compact_conv_spec = ConvSpec{u("k_bits"), u("v_bits"), u("k_group"), u("v_group"), u("k_sym"),
-                                 u("v_sym"), u("rotate"), u("fp_tail"), u("sink_blocks")};
-    const int64_t want_c[4] = {num_compact_blocks, kv_heads, block_size, compact_code_width};
-    const int64_t want_s[4] = {num_compact_blocks, kv_heads, block_size, compact_scale_width};
-    for (const auto& [key, want] : {std::make_pair("compact_codes_shape", want_c), std::make_pair("compact_scales_shape", want_s)}) {
-      const Json* sh = pool.find(key);
-      bool same = sh && sh->is_array() && sh->size() == 4;
-      for (size_t i = 0; same && i < 4; ++i) same = (*sh)[i].is_number() && (*sh)[i].as_int() == want[i];
-      if (!same)
-        throw bad(std::string("has ") + (sh ? "a " : "no ") + key + (sh ? " other than" : ", expected") + " [" +
-                  std::to_string(want[0]) + ", " + std::to_string(want[1]) + ", " + std::to_string(want[2]) + ", " +
-                  std::to_string(want[3]) + "] (its compact spec and sizes)");
-    }
-  }
-
-  bool parse_sha256(const std::string& hex) {
-    if (hex.size() != 64) return false;
-    for (size_t i = 0; i < 32; ++i) {
-      unsigned v = 0;
-      for (size_t k = 0; k < 2; ++k) {
-        const char ch = hex[2 * i + k];
-        const int d = ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10
-                    : ch >= 'A' && ch <= 'F' ? ch - 'A' + 10 : -1;
-        if (d < 0) return false;
-        v = v * 16 + static_cast<unsigned>(d);
-      }
-      model_sha[i] = static_cast<uint8_t>(v);
-    }
-    return true;
-  }
-
-  // The pool as a conversation file without tokens or blocks (what a file must match).
-  ConversationFile describe_pool() const {
-    ConversationFile f;
-    f.model_sha256 = model_sha;
-    f.num_layers = static_cast<uint32_t>(num_layers);
-    f.num_kv_heads = static_cast<uint32_t>(kv_heads);
-    f.head_dim = static_cast<uint32_t>(head_dim);
-    f.block_size = static_cast<uint32_t>(block_size);
-    f.spec = conv_spec;
-    f.codes_itemsize = codes_itemsize;
-    f.code_bytes = code_bytes;
-    f.scale_bytes = scale_bytes;
-    f.has_stage = has_stage;
-    if (num_compact_blocks) {  // the compact region a file's compact blocks must match
-      f.compact_spec = compact_conv_spec;
-      f.compact_code_bytes = static_cast<uint32_t>(compact_code_width);
-      f.compact_scale_bytes = static_cast<uint32_t>(2 * compact_scale_width);
-    }
-    for (const LayerGroup& g : groups) {
-      ConvGroup cg;
-      cg.window = static_cast<uint32_t>(g.window);
-      for (int l : g.layers) cg.layers.push_back(static_cast<uint32_t>(l));
-      f.groups.push_back(cg);
-    }
-    return f;
-  }
-
-  // Where each layer's pool tensors are: codes, scales, stage (the kernel library's record of its last
-  // call, checked to lie inside this runner's own arenas with the sizes the manifest implies).
-  struct LayerPool {
-    uint8_t* codes = nullptr;
-    uint8_t* scales = nullptr;
-    uint8_t* stage = nullptr;
-  };
-  bool pool_views(std::vector<LayerPool>* out) const {
-    // before this runner's first step the views may be a closed runner's (its arenas' addresses reused)
-    if (!ran_step) return false;
-    out->assign(static_cast<size_t>(num_layers), LayerPool{});
-    const size_t rec = static_cast<size_t>(kv_heads) * block_size;
-    const size_t stage_one = static_cast<size_t>(2 * 2) * kv_heads * block_size * head_dim * 2;
-    for (int l = 0; l < num_layers; ++l) {
-      const size_t nb = static_cast<size_t>(groups[static_cast<size_t>(layer_group[static_cast<size_t>(l)])].num_blocks);
-      const size_t want[3] = {nb * rec * code_bytes, scale_bytes ? nb * rec * scale_bytes : 2,
-                              (has_stage ? static_cast<size_t>(max_seqs) : 1) * stage_one};
-      uint8_t** dst[3] = {&(*out)[static_cast<size_t>(l)].codes, &(*out)[static_cast<size_t>(l)].scales,
-                          &(*out)[static_cast<size_t>(l)].stage};
-      for (int w = 0; w < 3; ++w) {
-        void* p = nullptr;
-        int64_t n = 0;
-        if (!pagedkv_et_pool_view(l, w, &p, &n) || static_cast<size_t>(n) != want[w]) return false;
-        bool inside = false;
-        for (size_t a = 1; a < arenas.size() && !inside; ++a)
-          inside = static_cast<uint8_t*>(p) >= arenas[a]->ptr &&
-                   static_cast<uint8_t*>(p) + n <= arenas[a]->ptr + arenas[a]->size;
-        if (!inside) return false;  // another program ran last in this process
-        *dst[w] = static_cast<uint8_t*>(p);
-      }
-    }
-    return true;
-  }
-  // pool_views, running one scratch step (token 0 on a fresh sequence slot, released at once) if the
-  // kernels have not run in this runner yet: it writes only a free block and a free slot's stage rows.
-  std::vector<LayerPool> ensure_pool_views() {
-    std::vector<LayerPool> v;
-    if (pool_views(&v)) return v;
-    Conv scratch{pool->new_sequence(), {}, {}, {}, 0, {}};
-    try {
-      step(scratch, {0});
-    } catch (...) {
-      pool->release(scratch.seq);
-      throw;
-    }
-    pool->release(scratch.seq);
-    if (!pool_views(&v))
-      throw RunnerError(ErrorCode::kState, "the kernels' pool buffers are not this runner's: save or restore from the "
-                                           "process that runs this runner only.");
-    return v;
-  }
-
-  // The manifest's "groups" entry (runtime_sim.session.manifest_groups): [{"window", "layers", "num_blocks"}],
-  // the layers of every group covering each layer once; absent for a model without sliding layers (one
-  // global group of the pool's blocks). The .pte's inputs must be the tables those groups imply.
-  void load_groups(const Json& m, const Json& pte, const std::string& dir) {
-    auto bad = [&](const std::string& what) {
-      return RunnerError(ErrorCode::kArtifact, dir + "/pagedkv.json's groups entry " + what + ": re-run `pagedkv export`.");
-    };
-    groups.clear();
-    layer_group.assign(static_cast<size_t>(num_layers), -1);
-    const Json* gs = m.find("groups");
-    grouped = gs != nullptr && !gs->is_null();
-    if (!grouped) {
-      LayerGroup g{0, {}, num_blocks};
-      for (int i = 0; i < num_layers; ++i) g.layers.push_back(i);
-      groups.push_back(g);
-    } else {
-      if (!gs->is_array() || gs->size() == 0) throw bad("is not a non-empty list of layer groups");
-      for (const Json& e : gs->items()) {
-        if (!e.is_object()) throw bad("holds something that is not a layer group");
-        LayerGroup g;
-        const int64_t w = e["window"].as_int(), nb = e["num_blocks"].as_int();
-        if (w < 0 || w > (int64_t{1} << 30)) throw bad("has window " + std::to_string(w));
-        if (nb < 1 || nb > num_blocks)
-          throw bad("gives a group " + std::to_string(nb) + " blocks, outside 1.." + std::to_string(num_blocks) +
-                    " (the pool's num_blocks)");
-        g.window = static_cast<int>(w);
-        g.num_blocks = static_cast<int>(nb);
-        for (const Json& l : e["layers"].items()) {
-          const int64_t i = l.as_int();
-          if (i < 0 || i >= num_layers)
-            throw bad("names layer " + std::to_string(i) + ", the model has layers 0.." + std::to_string(num_layers - 1));
-          if (layer_group[static_cast<size_t>(i)] >= 0) throw bad("puts layer " + std::to_string(i) + " in two groups");
-          layer_group[static_cast<size_t>(i)] = static_cast<int>(groups.size());
-          g.layers.push_back(static_cast<int>(i));
-        }
-        if (g.layers.empty()) throw bad("has a group without layers");
-        if (g.window == 0 && g.num_blocks != num_blocks)
-          throw bad("gives the global group " + std::to_string(g.num_blocks) + " blocks, the pool has " +
-                    std::to_string(num_blocks));
-        groups.push_back(g);
-      }
-      for (int i = 0; i < num_layers; ++i)
-        if (layer_group[static_cast<size_t>(i)] < 0) throw bad("leaves layer " + std::to_string(i) + " out");
-    }
-    for (size_t g = 0; g < groups.size(); ++g)
-      for (int i : groups[g].layers) layer_group[static_cast<size_t>(i)] = static_cast<int>(g);
-    peak_used.assign(groups.size(), 0);
-    // the artifact's input names: input_ids, positions, seq_ids, block_tables, block_tables_1, ..., then
-    // logits_rows (absent in programs exported before it)
-    if (const Json* in = pte.find("inputs")) {
-      std::vector<std::string> want = {"input_ids", "positions", "seq_ids", "block_tables"};
-      for (size_t g = 1; g < groups.size(); ++g) want.push_back("block_tables_" + std::to_string(g));
-      std::vector<std::string> have;
-      for (const Json& x : in->items()) have.push_back(x.is_string() ? x.as_string() : "?");
-      manifest_logits_rows = !have.empty() && have.back() == "logits_rows" ? 1 : 0;
-      if (manifest_logits_rows) have.pop_back();
-      // the compact region's inputs (compact_codes_L, compact_scales_L) come after the block tables
-      size_t first_compact = have.size();
-      while (first_compact > 0 && have[first_compact - 1].rfind("compact_", 0) == 0) --first_compact;
-      const std::vector<std::string> compact_names(have.begin() + static_cast<long>(first_compact), have.end());
-      have.resize(first_compact);
-      if (have != want)
-        throw RunnerError(ErrorCode::kArtifact,
-                          dir + "/pagedkv.json describes " + std::to_string(groups.size()) + " layer group(s) (" +
-                              std::to_string(groups.size()) + " block table(s)), but its .pte entry lists " +
-                              std::to_string(have.size()) + " inputs (" + std::to_string(have.size() > 3 ? have.size() - 3 : 0) +
-                              " block table(s)): the groups entry and the program disagree; re-run `pagedkv export`.");
-      load_compact_inputs(compact_names, dir);
-    } else if (num_compact_blocks) {
-      throw RunnerError(ErrorCode::kArtifact, dir + "/pagedkv.json's pool has a compact region but its .pte entry "
-                                                    "lists no inputs (the compact region's order): re-run `pagedkv export`.");
-    }
-  }
-
-  // The .pte's compact inputs in the manifest's order (toolkit.manifest.compact_input_names): every layer
-  // of the global group(s) exactly once as compact_codes_L and compact_scales_L, no other layer; present
-  // exactly when the pool has a compact region.
-  void load_compact_inputs(const std::vector<std::string>& names, const std::string& dir) {
-    auto bad = [&](const std::string& what) {
-      return RunnerError(ErrorCode::kArtifact, dir + "/pagedkv.json's .pte entry " + what +
-                                                   ": the program and its pool disagree; re-run `pagedkv export`.");
-    };
-    compact_inputs.clear();
-    if (names.empty()) {
-      if (num_compact_blocks)
-        throw bad("lists no compact_codes_L / compact_scales_L inputs, but its pool has a compact region of " +
-                  std::to_string(num_compact_blocks) + " blocks");
-      return;
-    }
-    if (!num_compact_blocks)
-      throw bad("lists compact region inputs (" + names[0] + ", ...), but its pool describes no compact region");
-    std::vector<uint8_t> seen(2 * static_cast<size_t>(num_layers), 0);
-    for (const std::string& name : names) {
-      CompactInput c;
-      const std::string codes = "compact_codes_", scales = "compact_scales_";
-      const bool is_codes = name.rfind(codes, 0) == 0;
-      c.scales = name.rfind(scales, 0) == 0;
-      const std::string digits = name.substr(is_codes ? codes.size() : c.scales ? scales.size() : name.size());
-      bool ok = (is_codes || c.scales) && !digits.empty() && digits.size() <= 6 &&
-                std::all_of(digits.begin(), digits.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
-      c.layer = ok ? std::stoi(digits) : -1;
-      if (!ok || c.layer >= num_layers)
-        throw bad("lists the input '" + name + "' (a compact input is compact_codes_L or compact_scales_L of a layer L "
-                  "in 0.." + std::to_string(num_layers - 1) + ")");
-      if (groups[static_cast<size_t>(layer_group[static_cast<size_t>(c.layer)])].window != 0)
-        throw bad("gives layer " + std::to_string(c.layer) + " of a sliding group a compact region (only the global "
-                  "group's layers read one)");
-      uint8_t& s = seen[2 * static_cast<size_t>(c.layer) + (c.scales ? 1 : 0)];
-      if (s) throw bad("lists the input '" + name + "' twice");
-      s = 1;
-      c.shape = {num_compact_blocks, kv_heads, block_size, c.scales ? compact_scale_width : compact_code_width};
-      if (compact_of_layer.empty()) compact_of_layer.assign(static_cast<size_t>(num_layers), {-1, -1});
-      auto& slot = compact_of_layer[static_cast<size_t>(c.layer)];
-      (c.scales ? slot.second : slot.first) = static_cast<int>(compact_inputs.size());
-      compact_inputs.push_back(c);
-    }
-    for (const LayerGroup& g : groups)
-      for (int l : g.layers)
-        if (!g.window && !(seen[2 * static_cast<size_t>(l)] && seen[2 * static_cast<size_t>(l) + 1]))
-          throw bad("lists no compact_codes_" + std::to_string(l) + " / compact_scales_" + std::to_string(l) +
-                    " for global layer " + std::to_string(l));
-  }
-
-  // The compact region: one anonymous mapping (page aligned, zeroed), each tensor on a 64-byte boundary
-  // (toolkit.pool_layout.POOL_ALIGN), the tensors the program takes in the manifest's input order.
-  void allocate_compact(size_t alloc_index) {
-    constexpr size_t kAlign = 64;
-    size_t total = 0;
-    for (CompactInput& c : compact_inputs) {
-      total = (total + kAlign - 1) / kAlign * kAlign;
-      c.offset = total;
-      c.bytes = c.scales ? 2 : 1;
-      for (int64_t d : c.shape) c.bytes *= static_cast<size_t>(d);
-      total += c.bytes;
-    }
-    auto mem = std::make_unique<Arena>();
-    mem->size = std::max<size_t>(total, 1);
-    const bool fail = cfg.fail_allocation_at == static_cast<int>(alloc_index);
-    void* p = fail ? MAP_FAILED : mmap(nullptr, mem->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED)
-      throw RunnerError(ErrorCode::kAllocation, "could not allocate the compact region (" +
-                                                    std::to_string(num_compact_blocks) + " blocks, " +
-                                                    std::to_string(mem->size) + " bytes)" +
-                                                    (fail ? " [injected failure]" : "") +
-                                                    ": free memory or export fewer --compact-blocks. Nothing stays allocated.");
-    mem->ptr = static_cast<uint8_t*>(p);
-    if (cfg.prefault) std::memset(mem->ptr, 0, mem->size);  // commit it now (a fresh mapping reads as zeros)
-    using executorch::extension::make_tensor_ptr;
-    for (const CompactInput& c : compact_inputs) {
-      std::vector<executorch::aten::SizesType> sizes(c.shape.begin(), c.shape.end());
-      compact_tensors.push_back(make_tensor_ptr(std::move(sizes), mem->ptr + c.offset,
-                                                c.scales ? ScalarType::Half : ScalarType::Byte));
-    }
-    compact_mem = std::move(mem);
-  }
-
-  std::vector<int32_t> eos;
-  std::string pte_file;
-  std::string chat_template_src;  // "" = none
-  std::vector<std::string> tokenizer_files;
-  std::unique_ptr<ChatTemplate> chat_template;
-  std::map<std::string, TValue> template_vars;  // bos_token, eos_token, ...
-
-  bool listed(const std::string& name) const {
-    return std::find(tokenizer_files.begin(), tokenizer_files.end(), name) != tokenizer_files.end();
-  }
-
-  // The chat template: pagedkv.json's chat_template, else chat_template.jinja or tokenizer_config.json's
-  // chat_template among the exported tokenizer files (what runtime_sim's tokenizer reads). The special
-  // tokens the template may print come from tokenizer_config.json.
-  void load_chat_template(const std::string& dir) {
-    Json cfg;
-    if (listed("tokenizer_config.json")) {
-      try {
-        cfg = Json::parse(read_text(dir + "/tokenizer_config.json", "tokenizer config"));
-      } catch (const RunnerError&) {
-        throw;
-      } catch (const std::exception& e) {
-        throw RunnerError(ErrorCode::kArtifact, dir + "/tokenizer_config.json is not valid JSON (" + e.what() +
-                                                    "): re-run `pagedkv export`.");
-      }
-      for (const char* k : {"bos_token", "eos_token", "unk_token", "pad_token"}) {
-        const Json* v = cfg.find(k);
-        if (v && v->is_object()) v = v->find("content");
-        if (v && v->is_string()) template_vars[k] = TValue::str(v->as_string());
-      }
-    }
-    std::string src = chat_template_src;
-    if (src.empty() && listed("chat_template.jinja")) src = read_text(dir + "/chat_template.jinja", "chat template");
-    if (src.empty()) {
-      const Json* t = cfg.find("chat_template");
-      if (t && t->is_string()) src = t->as_string();
-    }
-    if (src.empty()) return;
-    try {
-      chat_template = std::make_unique<ChatTemplate>(src);
-    } catch (const TemplateError& e) {
-      throw RunnerError(ErrorCode::kArtifact, std::string(e.what()) + " (in the artifacts' chat template): re-export, "
-                                                                       "or report the template.");
-    }
-  }
-
-  std::string render(const std::vector<std::pair<std::string, std::string>>& messages) const {
-    if (!chat_template) {  // no template: plain lines, like runtime_sim's chat
-      std::string s;
-      for (const auto& m : messages) s += m.first + ": " + m.second + "\n";
-      return s + "assistant:";
-    }
-    auto vars = template_vars;
-    vars["messages"] = chat_messages(messages);
-    vars["add_generation_prompt"] = TValue::boolean(true);
-    try {
-      return chat_template->render(vars);
-    } catch (const TemplateError& e) {  // e.g. a template that requires alternating roles
-      throw RunnerError(ErrorCode::kArgument, std::string(e.what()) + ": clear the conversation to start over.");
-    }
-  }
-
-  void allocate_and_load(const std::string& dir) {
-    const std::string pte = dir + "/" + pte_file;
-    { std::ifstream f(pte); if (!f) read_text(pte, "program"); }
-    module = std::make_unique<Module>(pte, Module::LoadMode::Mmap);
-    if (module->load() != et::Error::Ok)
-      throw RunnerError(ErrorCode::kModel, "ExecuTorch could not load " + pte +
-                                               ": is it a .pte from the same executorch version (1.5.1)?");
-    auto meta = module->method_meta("forward");
-    if (!meta.ok()) throw RunnerError(ErrorCode::kModel, pte + " has no 'forward' method: re-export it.");
-    const size_t nbuf = meta->num_memory_planned_buffers();
-    const size_t want = 1 + static_cast<size_t>((num_layers + layers_per_arena - 1) / layers_per_arena);
-    if (nbuf != want)
-      throw RunnerError(ErrorCode::kArtifact, pte + " plans " + std::to_string(nbuf) + " memory arenas, the manifest " +
-                                                  "implies " + std::to_string(want) +
-                                                  " (activations + one per pool group): re-export the artifacts.");
-    // ids, positions, seq_ids, one block table per group, then logits_rows (programs exported before it
-    // compute every row's logits); the manifest's input names say which, else the count does
-    has_logits_rows = manifest_logits_rows >= 0 ? manifest_logits_rows == 1 : meta->num_inputs() == 4 + groups.size();
-    const size_t extra = has_logits_rows ? 1 : 0;
-    const size_t n_compact = compact_inputs.size();  // after the tables, before logits_rows
-    if (meta->num_inputs() != 3 + groups.size() + n_compact + extra)
+  try {
+    if (m["format_version"].as_int() != 1)
+      throw RunnerError(ErrorCode::kArtifact, "pagedkv.json format_version " +
+                                                  std::to_string(m["format_version"].as_int()) +
+                                                  ", this runner reads 1: re-export with a matching pagedkv.");
+    const Json& pool = m["pool"];
+    num_layers = static_cast<int>(pool["num_layers"].as_int());
+    kv_heads = static_cast<int>(pool["num_kv_heads"].as_int());
+    head_dim = static_cast<int>(pool["head_dim"].as_int());
+    block_size = static_cast<int>(pool["block_size"].as_int());
+    num_blocks = static_cast<int>(pool["num_blocks"].as_int());
+    max_seqs = static_cast<int>(pool["max_seqs"].as_int());
+    bytes_per_token = pool["bytes_per_token"].as_int();
+    // PoolLayout.fixed_bytes: total_bytes == num_blocks * block_size * bytes_per_token + fixed
+    pool_fixed_bytes = pool["total_bytes"].as_int() - static_cast<int64_t>(num_blocks) * block_size * bytes_per_token;
+    if (num_blocks < 1 || block_size < 1 || bytes_per_token < 1 || pool_fixed_bytes < 0)
       throw RunnerError(ErrorCode::kArtifact,
-                        pte + " takes " + std::to_string(meta->num_inputs()) + " inputs (" +
-                            std::to_string(meta->num_inputs() >= 3 + extra ? meta->num_inputs() - 3 - extra : 0) +
-                            " block table(s)), but pagedkv.json describes " + std::to_string(groups.size()) +
-                            " layer group(s), one block table each" +
-                            (n_compact ? ", and " + std::to_string(n_compact) + " compact region inputs" : std::string()) +
-                            ": the manifest and the program disagree; re-run `pagedkv export`.");
-    for (size_t j = 0; j < n_compact; ++j) {  // each compact input as the program declares it
-      const CompactInput& c = compact_inputs[j];
-      const size_t idx = 3 + groups.size() + j;
-      auto tm = meta->input_tensor_meta(idx);
-      bool ok = tm.ok() && tm->scalar_type() == (c.scales ? ScalarType::Half : ScalarType::Byte) &&
-                tm->sizes().size() == c.shape.size();
-      for (size_t k = 0; ok && k < c.shape.size(); ++k) ok = tm->sizes()[k] == c.shape[k];
-      if (!ok)
-        throw RunnerError(ErrorCode::kArtifact,
-                          pte + "'s input " + std::to_string(idx) + " is not " + (c.scales ? "compact_scales_" : "compact_codes_") +
-                              std::to_string(c.layer) + " (" + (c.scales ? "float16" : "uint8") + " [" +
-                              std::to_string(c.shape[0]) + ", " + std::to_string(c.shape[1]) + ", " +
-                              std::to_string(c.shape[2]) + ", " + std::to_string(c.shape[3]) +
-                              "]) as pagedkv.json's pool and input names give: re-run `pagedkv export`.");
-    }
-    // the budget decides how many blocks of group 0 are usable (and committed); the other groups' are all
-    const int limit = cfg.pool_budget_bytes > 0 ? budget_blocks(cfg.pool_budget_bytes) : groups[0].num_blocks;
-    budget_limit = limit;
-    pool = std::make_unique<GroupedBlockManager>(groups, block_size, max_seqs, limit, num_compact_blocks);
-    for (size_t i = 0; i < nbuf; ++i) {
-      auto sz = meta->memory_planned_buffer_size(i);
-      if (!sz.ok()) throw RunnerError(ErrorCode::kModel, "cannot read the size of memory arena " + std::to_string(i + 1));
-      auto arena = std::make_unique<Arena>();
-      arena->size = static_cast<size_t>(std::max<int64_t>(*sz, 1));
-      const bool fail = cfg.fail_allocation_at == static_cast<int>(i);
-      void* p = fail ? MAP_FAILED
-                     : mmap(nullptr, arena->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (p == MAP_FAILED) {
-        throw RunnerError(ErrorCode::kAllocation,
-                          "could not allocate memory arena " + std::to_string(i + 1) + " (" +
-                              (i == 0 ? std::string("activations")
-                                      : per_layer_arenas() ? "KV pool of layer " + std::to_string(i - 1)
-                                                           : "KV pool of layers from " + std::to_string((i - 1) * layers_per_arena)) +
-                              ", " + std::to_string(arena->size) + " bytes)" + (fail ? " [injected failure]" : "") +
-                              ": free memory or lower the pool budget. Nothing stays allocated.");
-      }
-      arena->ptr = static_cast<uint8_t*>(p);
-      const size_t codes = i >= 1 && per_layer_arenas() ? static_cast<size_t>(codes_bytes_of_layer(static_cast<int>(i - 1))) : 0;
-      if (codes > arena->size)
-        throw RunnerError(ErrorCode::kArtifact,
-                          "memory arena " + std::to_string(i + 1) + " (" + std::to_string(arena->size) +
-                              " bytes) is smaller than layer " + std::to_string(i - 1) + "'s codes tensor of " +
-                              std::to_string(codes) + " bytes (" +
-                              std::to_string(groups[static_cast<size_t>(layer_group[i - 1])].num_blocks) +
-                              " blocks): the .pte and pagedkv.json (pool / groups) do not match; re-export.");
-      spans.emplace_back(arena->ptr, arena->size);
-      arenas.push_back(std::move(arena));
-    }
-    if (n_compact) allocate_compact(nbuf);
-    planned = std::make_unique<et::HierarchicalAllocator>(et::Span<et::Span<uint8_t>>(spans.data(), spans.size()));
-    if (module->load_method("forward", planned.get()) != et::Error::Ok)
-      throw RunnerError(ErrorCode::kModel, "ExecuTorch could not load method 'forward' of " + pte +
-                                               " (missing kernel? the pagedkv kernels are linked into this runner)");
-    // commit what the budget allows: non-block tensors, blocks < limit. After loading the method (which
-    // writes nothing there): the load's own transient peak (XNNPACK packing the weights from the .pte's
-    // mapped pages) then does not stack on the pool's pages (issue 23). Not the activations arena: its
-    // plan is laid out for max_tokens_per_call tokens, and a call of fewer tokens (a smaller
-    // prefill_chunk, a decode step) writes only the first part of each tensor's slot; pages never
-    // written are never resident
-    for (size_t i = 1; cfg.prefault && i < nbuf; ++i) {
-      Arena& arena = *arenas[i];
-      if (!per_layer_arenas() || layer_group[i - 1] != 0) {
-        std::memset(arena.ptr, 0, arena.size);
-      } else {
-        const size_t codes = static_cast<size_t>(codes_bytes_of_layer(static_cast<int>(i - 1)));
-        std::memset(arena.ptr + codes, 0, arena.size - codes);
-      }
-    }
-    if (cfg.prefault) touch_blocks(0, limit, true);
-    mapped = std::make_unique<MappedPages>(pte);
-    mapped->prepare();
+                        dir + "/pagedkv.json's pool sizes do not add up (num_blocks " + std::to_string(num_blocks) +
+                            ", block_size " + std::to_string(block_size) + ", bytes_per_token " +
+                            std::to_string(bytes_per_token) + ", total_bytes " +
+                            std::to_string(pool["total_bytes"].as_int()) +
+                            "; total_bytes must be at least their product): re-run `pagedkv export`.");
+    const std::string dtype = pool["codes_dtype"].as_string();
+    int64_t elem = dtype == "float32" ? 4 : dtype == "float16" ? 2 : 1;
+    int64_t n = 1;
+    for (const Json& d : pool["codes_shape"].items()) n *= d.as_int();
+    codes_bytes_per_layer = n * elem;
+    int64_t stage_rows = pool["stage_shape"][0].as_int();
+    int64_t stage_n = 1;
+    for (const Json& d : pool["stage_shape"].items()) stage_n *= d.as_int();
+    stage_bytes_per_seq = stage_rows > 1 ? stage_n / stage_rows * 2 * num_layers : 0;
+    load_record_format(pool, elem);
+    load_compact(pool, dir);
+    const Json* pte = m["artifacts"].find("pte");
+    if (!pte)
+      throw RunnerError(ErrorCode::kArtifact, dir + " has no .pte artifact: export it with `pagedkv export --format pte`.");
+    layers_per_arena = static_cast<int>((*pte)["layers_per_arena"].as_int());
+    max_tokens_per_call = static_cast<int>((*pte)["max_tokens_per_call"].as_int());
+    max_blocks_per_seq = static_cast<int>((*pte)["max_blocks_per_seq"].as_int());
+    vocab_size = static_cast<int>(m["model"]["vocab_size"].as_int());
+    for (const Json& e : m["model"]["eos_token_ids"].items()) eos.push_back(static_cast<int32_t>(e.as_int()));
+    if (const Json* st = m.find("stop_token_ids"))  // the chat's extra stop ids (end-of-turn tokens)
+      for (const Json& e : st->items()) eos.push_back(static_cast<int32_t>(e.as_int()));
+    if (const Json* ct = m.find("chat_template"))
+      if (ct->is_string()) chat_template_src = ct->as_string();
+    if (const Json* tf = m.find("tokenizer_files"))
+      for (const Json& e : tf->items()) tokenizer_files.push_back(e.as_string());
+    pte_file = (*pte)["file"].as_string();
+    if (const Json* sha = pte->find("sha256"); sha && sha->is_string()) sha_known = parse_sha256(sha->as_string());
+    load_groups(m, *pte, dir);
+  } catch (const RunnerError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw RunnerError(ErrorCode::kArtifact, dir + "/pagedkv.json is incomplete (" + e.what() +
+                                                "): re-run `pagedkv export --format pte`.");
   }
+}
 
-  // One graph call for one conversation; returns the last token's logits.
-  std::vector<float> step(Conv& c, const std::vector<int32_t>& toks) {
-    const int T = static_cast<int>(toks.size());
-    const int start = pool->length(c.seq);
-    const int width = (start + T + block_size - 1) / block_size;
-    if (width > max_blocks_per_seq)
-      throw RunnerError(ErrorCode::kArgument, "conversation would reach " + std::to_string(start + T) +
-                                                  " tokens, the .pte accepts at most " +
-                                                  std::to_string(max_blocks_per_seq * block_size) + ": clear it.");
-    pool->reserve(c.seq, T);  // every group; throws kPoolExhausted with nothing changed
-    c.last_used = ++clock;
-    for (size_t g = 0; g < groups.size(); ++g) peak_used[g] = std::max(peak_used[g], pool->pool(g).num_used());
-    std::vector<int64_t> ids(toks.begin(), toks.end()), pos(T), seq(T, c.seq);
-    std::iota(pos.begin(), pos.end(), static_cast<int64_t>(start));
-    // one table [max_seqs, width] per layer group; a sliding group's rows have holes (-1) before its window
-    std::vector<std::vector<int64_t>> tables(groups.size(), std::vector<int64_t>(static_cast<size_t>(max_seqs) * width, -1));
-    for (size_t g = 0; g < groups.size(); ++g)
-      for (int s : pool->live_sequences()) {
-        const auto& b = pool->pool(g).blocks(s);
-        for (int j = 0; j < width && j < static_cast<int>(b.size()); ++j)
-          tables[g][static_cast<size_t>(s) * width + j] = b[static_cast<size_t>(j)];
-      }
-    using executorch::extension::make_tensor_ptr;
-    using executorch::extension::TensorPtr;
-    auto t_ids = make_tensor_ptr({1, T}, ids.data(), ScalarType::Long);
-    auto t_pos = make_tensor_ptr({T}, pos.data(), ScalarType::Long);
-    auto t_seq = make_tensor_ptr({T}, seq.data(), ScalarType::Long);
-    std::vector<TensorPtr> t_tabs;
-    std::vector<et::EValue> inputs = {*t_ids, *t_pos, *t_seq};
-    for (auto& t : tables) {  // block_tables, block_tables_1, ...: the .pte's input order
-      t_tabs.push_back(make_tensor_ptr({max_seqs, width}, t.data(), ScalarType::Long));
-      inputs.emplace_back(*t_tabs.back());
-    }
-    for (auto& t : compact_tensors) inputs.emplace_back(*t);  // the compact region, read in place
-    int64_t last_row = T - 1;  // the LM head runs on the call's last token only
-    auto t_rows = make_tensor_ptr({1}, &last_row, ScalarType::Long);
-    if (has_logits_rows) inputs.emplace_back(*t_rows);
-    if (mapped) mapped->release();  // unmap the file pages the previous call read (mapped_pages.h)
-    auto res = module->forward(inputs);
-    if (!res.ok()) {
-      // the kernel checks its inputs before writing: the blocks reserved for this call are unused
-      throw RunnerError(ErrorCode::kModel, "ExecuTorch forward failed (error " +
-                                               std::to_string(static_cast<int>(res.error())) +
-                                               "); see the log for the kernel's message");
-    }
-    pool->commit(c.seq, T);  // a sliding group hands back the blocks that left its window
-    ran_step = true;
-    c.history.insert(c.history.end(), toks.begin(), toks.end());
-    const auto& out = res.get()[0].toTensor();
-    const int V = static_cast<int>(out.size(out.dim() - 1));
-    const float* data = out.const_data_ptr<float>();
-    const size_t row = has_logits_rows ? 0 : static_cast<size_t>(T - 1);
-    return std::vector<float>(data + row * V, data + (row + 1) * V);
+// The spec and record sizes of the pool (a conversation file must have the same ones).
+void Runner::Impl::load_record_format(const Json& pool, int64_t elem) {
+  const Json& sp = pool["spec"];
+  auto num = [&](const char* k) -> uint32_t {
+    const Json& v = sp[k];
+    return v.is_number() ? static_cast<uint32_t>(v.as_int()) : (v.as_bool() ? 1u : 0u);
+  };
+  conv_spec = ConvSpec{num("k_bits"), num("v_bits"), num("k_group"), num("v_group"), num("k_sym"),
+                       num("v_sym"), num("rotate"), num("fp_tail"), num("sink_blocks")};
+  const bool is_float = conv_spec.k_bits == 16 || conv_spec.k_bits == 32;
+  codes_itemsize = static_cast<uint32_t>(elem);
+  code_bytes = static_cast<uint32_t>(pool["codes_shape"].items().back().as_int() * elem);
+  scale_bytes = is_float ? 0 : static_cast<uint32_t>(pool["scales_shape"].items().back().as_int() * 2);
+  has_stage = !is_float && (conv_spec.fp_tail || conv_spec.sink_blocks);
+  spec_bits = RecordBits{static_cast<int>(conv_spec.k_bits), static_cast<int>(conv_spec.v_bits),
+                         static_cast<int>(conv_spec.k_group), static_cast<int>(conv_spec.v_group),
+                         conv_spec.k_sym != 0, conv_spec.v_sym != 0};
+}
+
+// The manifest's compact region (PoolLayout.to_dict with a compact region): compact (the compact
+// spec) and num_compact_blocks together, and the shapes the spec gives; checked like the rest of the
+// pool (toolkit/manifest.py _check_pool, toolkit/kv_spec.py check_compact), one line on any bad value.
+void Runner::Impl::load_compact(const Json& pool, const std::string& dir) {
+  auto bad = [&](const std::string& what) {
+    return RunnerError(ErrorCode::kArtifact, dir + "/pagedkv.json's pool " + what +
+                                                 ": re-run `pagedkv export --compact-blocks N`.");
+  };
+  num_compact_blocks = 0;
+  const Json* spec = pool.find("compact");
+  const Json* n = pool.find("num_compact_blocks");
+  if (!spec && !n) return;  // a pool without a compact region
+  if (!spec || !n) throw bad("has half a compact region (compact and num_compact_blocks go together)");
+  if (!n->is_number() || n->as_int() < 1 || n->as_int() > kMaxCompactBlocks)
+    throw bad("has num_compact_blocks " + (n->is_number() ? std::to_string(n->as_int()) : std::string("?")) +
+              ", outside 1.." + std::to_string(kMaxCompactBlocks));
+  if (!spec->is_object()) throw bad("has a compact spec that is not an object");
+  auto num = [&](const char* k) -> int64_t {
+    const Json* v = spec->find(k);
+    if (!v) throw bad(std::string("has a compact spec without ") + k);
+    return v->is_number() ? v->as_int() : (v->as_bool() ? 1 : 0);
+  };
+  pagedkv::PagedAttnParams p;
+  p.D = head_dim;
+  const int64_t kb = num("k_bits"), vb = num("v_bits"), kg = num("k_group"), vg = num("v_group");
+  const bool rot = num("rotate") != 0;
+  const std::string desc = "K" + std::to_string(kb) + "/V" + std::to_string(vb) + " groups " + std::to_string(kg) +
+                           "/" + std::to_string(vg);
+  auto group_ok = [&](int64_t g) { return g == 0 || (g >= 1 && g <= head_dim && head_dim % g == 0); };
+  if (kb < 2 || kb > 8 || vb < 2 || vb > 8 || !group_ok(kg) || !group_ok(vg) || head_dim % 8)
+    throw bad("has an invalid compact spec (" + desc + " for head_dim " + std::to_string(head_dim) + ")");
+  if (conv_spec.k_bits == 16 || conv_spec.k_bits == 32)
+    throw bad("has a compact region beside a float spec (the compact tier re-quantizes integer codes)");
+  if (rot != (conv_spec.rotate != 0)) throw bad("has a compact spec whose rotation differs from the pool's");
+  p.ck_bits = static_cast<int>(kb), p.cv_bits = static_cast<int>(vb);
+  p.ck_group = static_cast<int>(kg), p.cv_group = static_cast<int>(vg);
+  p.ck_sym = num("k_sym") != 0, p.cv_sym = num("v_sym") != 0;
+  pagedkv::compact_record_widths(p, &compact_code_width, &compact_scale_width);
+  if (compact_code_width + 2 * compact_scale_width >= static_cast<int>(code_bytes + scale_bytes))
+    throw bad("has a compact spec (" + desc + ") that is not smaller than the pool's spec");
+  num_compact_blocks = static_cast<int>(n->as_int());
+  compact_bits = RecordBits{p.ck_bits, p.cv_bits, p.ck_group, p.cv_group, p.ck_sym, p.cv_sym};
+  auto u = [&](const char* k) { return static_cast<uint32_t>(num(k)); };
+  compact_conv_spec = ConvSpec{u("k_bits"), u("v_bits"), u("k_group"), u("v_group"), u("k_sym"),
+                               u("v_sym"), u("rotate"), u("fp_tail"), u("sink_blocks")};
+  const int64_t want_c[4] = {num_compact_blocks, kv_heads, block_size, compact_code_width};
+  const int64_t want_s[4] = {num_compact_blocks, kv_heads, block_size, compact_scale_width};
+  for (const auto& [key, want] : {std::make_pair("compact_codes_shape", want_c), std::make_pair("compact_scales_shape", want_s)}) {
+    const Json* sh = pool.find(key);
+    bool same = sh && sh->is_array() && sh->size() == 4;
+    for (size_t i = 0; same && i < 4; ++i) same = (*sh)[i].is_number() && (*sh)[i].as_int() == want[i];
+    if (!same)
+      throw bad(std::string("has ") + (sh ? "a " : "no ") + key + (sh ? " other than" : ", expected") + " [" +
+                std::to_string(want[0]) + ", " + std::to_string(want[1]) + ", " + std::to_string(want[2]) + ", " +
+                std::to_string(want[3]) + "] (its compact spec and sizes)");
   }
+}
 
-  // ---- save / restore (toolkit/CONVERSATION_FORMAT.md): the parts Runner::save/restore and the spill
-  // rung share; the caller holds mu ----
-
-  // conv's blocks as they lie in the pool (default and compact region), stage rows, tokens and messages
-  ConversationFile capture(Conv& c) {
-    const int n = pool->length(c.seq);
-    if (n != static_cast<int>(c.history.size()))
-      throw RunnerError(ErrorCode::kState, "a conversation is in the middle of a step: save it between turns.");
-    ConversationFile f = describe_pool();
-    f.tokens = c.history;
-    f.pending = c.pending;
-    // the chat's messages, as `pagedkv chat` stores them (runtime_sim/chat.py ChatSession.save)
-    f.app = "{\"system_prompt\": null, \"messages\": [";
-    for (size_t i = 0; i < c.messages.size(); ++i)
-      f.app += (i ? ", " : "") + std::string("{\"role\": ") + json_quote(c.messages[i].first) +
-               ", \"content\": " + json_quote(c.messages[i].second) + "}";
-    f.app += "]}";
-    const int nb = (n + block_size - 1) / block_size;
-    std::vector<LayerPool> views;
-    if (nb || has_stage) views = ensure_pool_views();
-    const size_t rec = static_cast<size_t>(kv_heads) * block_size;
-    f.codes.resize(f.num_layers);
-    f.scales.resize(f.num_layers);
-    f.compact_codes.resize(f.num_layers);
-    f.compact_scales.resize(f.num_layers);
-    for (size_t gi = 0; gi < groups.size(); ++gi) {
-      const auto& table = pool->pool(gi).blocks(c.seq);
-      const int nd = pool->pool(gi).num_blocks();  // ids >= nd: the compact region (group 0 only)
-      ConvGroup& cg = f.groups[gi];
-      for (int i = 0; i < nb; ++i) {
-        const int b = i < static_cast<int>(table.size()) ? table[static_cast<size_t>(i)] : -1;
-        cg.present.push_back(b < 0 ? kBlockHole : b < nd ? kBlockDefault : kBlockCompact);
-      }
-      for (int l : groups[gi].layers) {
-        const LayerPool& v = views[static_cast<size_t>(l)];
-        auto& codes = f.codes[static_cast<size_t>(l)];
-        auto& scales = f.scales[static_cast<size_t>(l)];
-        for (int i = 0; i < nb; ++i) {
-          if (cg.present[static_cast<size_t>(i)] != kBlockDefault) continue;
-          const size_t b = static_cast<size_t>(table[static_cast<size_t>(i)]);
-          codes.insert(codes.end(), v.codes + b * rec * code_bytes, v.codes + (b + 1) * rec * code_bytes);
-          if (scale_bytes)
-            scales.insert(scales.end(), v.scales + b * rec * scale_bytes, v.scales + (b + 1) * rec * scale_bytes);
-        }
-        if (!cg.n_compact()) continue;
-        const uint8_t* cc = compact_region(l, false);
-        const uint8_t* cs = compact_region(l, true);
-        const size_t cw = rec * static_cast<size_t>(compact_code_width), sw = rec * 2 * static_cast<size_t>(compact_scale_width);
-        for (int i = 0; i < nb; ++i) {
-          if (cg.present[static_cast<size_t>(i)] != kBlockCompact) continue;
-          const size_t b = static_cast<size_t>(table[static_cast<size_t>(i)] - nd);
-          f.compact_codes[static_cast<size_t>(l)].insert(f.compact_codes[static_cast<size_t>(l)].end(), cc + b * cw, cc + (b + 1) * cw);
-          f.compact_scales[static_cast<size_t>(l)].insert(f.compact_scales[static_cast<size_t>(l)].end(), cs + b * sw, cs + (b + 1) * sw);
-        }
-      }
+bool Runner::Impl::parse_sha256(const std::string& hex) {
+  if (hex.size() != 64) return false;
+  for (size_t i = 0; i < 32; ++i) {
+    unsigned v = 0;
+    for (size_t k = 0; k < 2; ++k) {
+      const char ch = hex[2 * i + k];
+      const int d = ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10
+                  : ch >= 'A' && ch <= 'F' ? ch - 'A' + 10 : -1;
+      if (d < 0) return false;
+      v = v * 16 + static_cast<unsigned>(d);
     }
-    if (has_stage) {
-      const size_t sb = f.stage_bytes();
-      for (int l = 0; l < num_layers; ++l) {
-        const uint8_t* p = views[static_cast<size_t>(l)].stage + static_cast<size_t>(c.seq) * sb;
-        f.stage.emplace_back(p, p + sb);
-      }
-    }
-    return f;
+    model_sha[i] = static_cast<uint8_t>(v);
   }
+  return true;
+}
 
-  // Layer l's compact codes (or scales) tensor in the compact region.
-  uint8_t* compact_region(int l, bool scales) const {
-    const auto& io = compact_of_layer[static_cast<size_t>(l)];
-    return compact_mem->ptr + compact_inputs[static_cast<size_t>(scales ? io.second : io.first)].offset;
+bool Runner::Impl::pool_views(std::vector<LayerPool>* out) const {
+  // before this runner's first step the views may be a closed runner's (its arenas' addresses reused)
+  if (!ran_step) return false;
+  out->assign(static_cast<size_t>(num_layers), LayerPool{});
+  const size_t rec = static_cast<size_t>(kv_heads) * block_size;
+  const size_t stage_one = static_cast<size_t>(2 * 2) * kv_heads * block_size * head_dim * 2;
+  for (int l = 0; l < num_layers; ++l) {
+    const size_t nb = static_cast<size_t>(groups[static_cast<size_t>(layer_group[static_cast<size_t>(l)])].num_blocks);
+    const size_t want[3] = {nb * rec * code_bytes, scale_bytes ? nb * rec * scale_bytes : 2,
+                            (has_stage ? static_cast<size_t>(max_seqs) : 1) * stage_one};
+    uint8_t** dst[3] = {&(*out)[static_cast<size_t>(l)].codes, &(*out)[static_cast<size_t>(l)].scales,
+                        &(*out)[static_cast<size_t>(l)].stage};
+    for (int w = 0; w < 3; ++w) {
+      void* p = nullptr;
+      int64_t n = 0;
+      if (!pagedkv_et_pool_view(l, w, &p, &n) || static_cast<size_t>(n) != want[w]) return false;
+      bool inside = false;
+      for (size_t a = 1; a < arenas.size() && !inside; ++a)
+        inside = static_cast<uint8_t*>(p) >= arenas[a]->ptr &&
+                 static_cast<uint8_t*>(p) + n <= arenas[a]->ptr + arenas[a]->size;
+      if (!inside) return false;  // another program ran last in this process
+      *dst[w] = static_cast<uint8_t*>(p);
+    }
   }
+  return true;
+}
 
-  // Free default blocks each group needs to restore f, at its peak (runtime_sim.conversation_file
-  // blocks_to_restore): the default blocks before the last one stay while the last one is allocated; a
-  // hole is dropped and a compact block moved to the compact region as soon as it is restored.
-  std::vector<int> blocks_to_restore(const ConversationFile& f) const {
-    const int nb = static_cast<int>((f.tokens.size() + f.block_size - 1) / f.block_size);
-    std::vector<int> need;
-    for (const ConvGroup& g : f.groups) {
-      int k = nb ? 1 : 0;
-      for (int i = 0; i + 1 < nb; ++i) k += g.present[static_cast<size_t>(i)] == kBlockDefault ? 1 : 0;
-      need.push_back(k);
-    }
-    return need;
+// pool_views, running one scratch step (token 0 on a fresh sequence slot, released at once) if the
+// kernels have not run in this runner yet: it writes only a free block and a free slot's stage rows.
+std::vector<Runner::Impl::LayerPool> Runner::Impl::ensure_pool_views() {
+  std::vector<LayerPool> v;
+  if (pool_views(&v)) return v;
+  Conv scratch{pool->new_sequence(), {}, {}, {}, 0, {}};
+  try {
+    step(scratch, {0});
+  } catch (...) {
+    pool->release(scratch.seq);
+    throw;
   }
+  pool->release(scratch.seq);
+  if (!pool_views(&v))
+    throw RunnerError(ErrorCode::kState, "the kernels' pool buffers are not this runner's: save or restore from the "
+                                         "process that runs this runner only.");
+  return v;
+}
 
-  // A new sequence slot holding f's blocks (compact ones in free compact blocks, all or none) and stage
-  // rows; every check first, so any failure leaves the pool as it was. Returns the slot.
-  int restore_seq(const ConversationFile& f, const std::string& path) {
-    check_conversation_compatible(f, describe_pool(), path);
-    auto bad = [&](const std::string& what) {
-      return RunnerError(ErrorCode::kArgument, "conversation file " + path + " " + what +
-                                                   ": it cannot be restored; save the conversation again.");
-    };
-    for (const auto* v : {&f.tokens, &f.pending})
-      for (int32_t t : *v)
-        if (t >= vocab_size)
-          throw bad("holds a token id outside this model's vocabulary of " + std::to_string(vocab_size) + " (damaged)");
-    const int n = static_cast<int>(f.tokens.size()), bs = block_size, nb = (n + bs - 1) / bs;
-    if (nb > max_blocks_per_seq)
-      throw bad("holds " + std::to_string(n) + " tokens, the .pte accepts at most " + std::to_string(max_blocks_per_seq * bs));
-    for (size_t gi = 0; gi < f.groups.size(); ++gi) {  // holes only where a window (or a dropped block) can be
-      const ConvGroup& cg = f.groups[gi];
-      const int dead = dead_blocks(static_cast<int>(cg.window), bs, n);
-      for (int i = 0; i < dead && i < nb; ++i)
-        if (cg.present[static_cast<size_t>(i)])
-          throw bad("holds blocks of layer group " + std::to_string(gi) + " that its window would not keep (damaged)");
-      if (n % bs && !cg.present[static_cast<size_t>(nb - 1)])  // a partly filled block is never dropped
-        throw bad("has a hole at the last, partly filled block of layer group " + std::to_string(gi) + " (damaged)");
-      if (gi != 0 && cg.n_compact())  // the compact region belongs to the first (global) group
-        throw RunnerError(ErrorCode::kArgument, "conversation file " + path + " holds compact blocks in layer group " +
-                                                    std::to_string(gi) + ", which has no compact region here: restore "
-                                                    "it with the artifacts that saved it.");
+// The manifest's "groups" entry (runtime_sim.session.manifest_groups): [{"window", "layers", "num_blocks"}],
+// the layers of every group covering each layer once; absent for a model without sliding layers (one
+// global group of the pool's blocks). The .pte's inputs must be the tables those groups imply.
+void Runner::Impl::load_groups(const Json& m, const Json& pte, const std::string& dir) {
+  auto bad = [&](const std::string& what) {
+    return RunnerError(ErrorCode::kArtifact, dir + "/pagedkv.json's groups entry " + what + ": re-run `pagedkv export`.");
+  };
+  groups.clear();
+  layer_group.assign(static_cast<size_t>(num_layers), -1);
+  const Json* gs = m.find("groups");
+  grouped = gs != nullptr && !gs->is_null();
+  if (!grouped) {
+    LayerGroup g{0, {}, num_blocks};
+    for (int i = 0; i < num_layers; ++i) g.layers.push_back(i);
+    groups.push_back(g);
+  } else {
+    if (!gs->is_array() || gs->size() == 0) throw bad("is not a non-empty list of layer groups");
+    for (const Json& e : gs->items()) {
+      if (!e.is_object()) throw bad("holds something that is not a layer group");
+      LayerGroup g;
+      const int64_t w = e["window"].as_int(), nb = e["num_blocks"].as_int();
+      if (w < 0 || w > (int64_t{1} << 30)) throw bad("has window " + std::to_string(w));
+      if (nb < 1 || nb > num_blocks)
+        throw bad("gives a group " + std::to_string(nb) + " blocks, outside 1.." + std::to_string(num_blocks) +
+                  " (the pool's num_blocks)");
+      g.window = static_cast<int>(w);
+      g.num_blocks = static_cast<int>(nb);
+      for (const Json& l : e["layers"].items()) {
+        const int64_t i = l.as_int();
+        if (i < 0 || i >= num_layers)
+          throw bad("names layer " + std::to_string(i) + ", the model has layers 0.." + std::to_string(num_layers - 1));
+        if (layer_group[static_cast<size_t>(i)] >= 0) throw bad("puts layer " + std::to_string(i) + " in two groups");
+        layer_group[static_cast<size_t>(i)] = static_cast<int>(groups.size());
+        g.layers.push_back(static_cast<int>(i));
+      }
+      if (g.layers.empty()) throw bad("has a group without layers");
+      if (g.window == 0 && g.num_blocks != num_blocks)
+        throw bad("gives the global group " + std::to_string(g.num_blocks) + " blocks, the pool has " +
+                  std::to_string(num_blocks));
+      groups.push_back(g);
     }
-    if (static_cast<int>(pool->live_sequences().size()) >= max_seqs)
-      throw RunnerError(ErrorCode::kState, "all " + std::to_string(max_seqs) + " conversation slots are in use: close "
-                                           "a conversation before restoring " + path + ".");
-    const std::vector<int> need = blocks_to_restore(f);
-    for (size_t gi = 0; gi < f.groups.size(); ++gi) {
-      const int free = pool->pool(gi).num_free();
-      if (need[gi] > free)
-        throw RunnerError(ErrorCode::kPoolExhausted,
-                          "KV block pool exhausted restoring " + path + " (" + std::to_string(n) + " tokens)" +
-                              (grouped ? " in layer group " + std::to_string(gi) : std::string()) + ": needs " +
-                              std::to_string(need[gi]) + " block(s), only " + std::to_string(free) +
-                              " free. Clear a conversation or give the pool a larger budget.");
-    }
-    const int n_compact = static_cast<int>(f.n_compact());
-    if (n_compact > pool->main().num_free_compact())
-      throw RunnerError(ErrorCode::kPoolExhausted,
-                        "KV block pool exhausted restoring " + path + ": its " + std::to_string(n_compact) +
-                            " compact-tier block(s) need as many free blocks of the compact region, only " +
-                            std::to_string(pool->main().num_free_compact()) +
-                            " free. Clear a conversation (or restore it where fewer blocks are compacted).");
-    std::vector<LayerPool> views;
-    if (nb || has_stage) views = ensure_pool_views();
-    const int seq = pool->new_sequence();
+    for (int i = 0; i < num_layers; ++i)
+      if (layer_group[static_cast<size_t>(i)] < 0) throw bad("leaves layer " + std::to_string(i) + " out");
+  }
+  for (size_t g = 0; g < groups.size(); ++g)
+    for (int i : groups[g].layers) layer_group[static_cast<size_t>(i)] = static_cast<int>(g);
+  peak_used.assign(groups.size(), 0);
+  // the artifact's input names: input_ids, positions, seq_ids, block_tables, block_tables_1, ..., then
+  // logits_rows (absent in programs exported before it)
+  if (const Json* in = pte.find("inputs")) {
+    std::vector<std::string> want = {"input_ids", "positions", "seq_ids", "block_tables"};
+    for (size_t g = 1; g < groups.size(); ++g) want.push_back("block_tables_" + std::to_string(g));
+    std::vector<std::string> have;
+    for (const Json& x : in->items()) have.push_back(x.is_string() ? x.as_string() : "?");
+    manifest_logits_rows = !have.empty() && have.back() == "logits_rows" ? 1 : 0;
+    if (manifest_logits_rows) have.pop_back();
+    // the compact region's inputs (compact_codes_L, compact_scales_L) come after the block tables
+    size_t first_compact = have.size();
+    while (first_compact > 0 && have[first_compact - 1].rfind("compact_", 0) == 0) --first_compact;
+    const std::vector<std::string> compact_names(have.begin() + static_cast<long>(first_compact), have.end());
+    have.resize(first_compact);
+    if (have != want)
+      throw RunnerError(ErrorCode::kArtifact,
+                        dir + "/pagedkv.json describes " + std::to_string(groups.size()) + " layer group(s) (" +
+                            std::to_string(groups.size()) + " block table(s)), but its .pte entry lists " +
+                            std::to_string(have.size()) + " inputs (" + std::to_string(have.size() > 3 ? have.size() - 3 : 0) +
+                            " block table(s)): the groups entry and the program disagree; re-run `pagedkv export`.");
+    load_compact_inputs(compact_names, dir);
+  } else if (num_compact_blocks) {
+    throw RunnerError(ErrorCode::kArtifact, dir + "/pagedkv.json's pool has a compact region but its .pte entry "
+                                                  "lists no inputs (the compact region's order): re-run `pagedkv export`.");
+  }
+}
+
+// The .pte's compact inputs in the manifest's order (toolkit.manifest.compact_input_names): every layer
+// of the global group(s) exactly once as compact_codes_L and compact_scales_L, no other layer; present
+// exactly when the pool has a compact region.
+void Runner::Impl::load_compact_inputs(const std::vector<std::string>& names, const std::string& dir) {
+  auto bad = [&](const std::string& what) {
+    return RunnerError(ErrorCode::kArtifact, dir + "/pagedkv.json's .pte entry " + what +
+                                                 ": the program and its pool disagree; re-run `pagedkv export`.");
+  };
+  compact_inputs.clear();
+  if (names.empty()) {
+    if (num_compact_blocks)
+      throw bad("lists no compact_codes_L / compact_scales_L inputs, but its pool has a compact region of " +
+                std::to_string(num_compact_blocks) + " blocks");
+    return;
+  }
+  if (!num_compact_blocks)
+    throw bad("lists compact region inputs (" + names[0] + ", ...), but its pool describes no compact region");
+  std::vector<uint8_t> seen(2 * static_cast<size_t>(num_layers), 0);
+  for (const std::string& name : names) {
+    CompactInput c;
+    const std::string codes = "compact_codes_", scales = "compact_scales_";
+    const bool is_codes = name.rfind(codes, 0) == 0;
+    c.scales = name.rfind(scales, 0) == 0;
+    const std::string digits = name.substr(is_codes ? codes.size() : c.scales ? scales.size() : name.size());
+    bool ok = (is_codes || c.scales) && !digits.empty() && digits.size() <= 6 &&
+              std::all_of(digits.begin(), digits.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+    c.layer = ok ? std::stoi(digits) : -1;
+    if (!ok || c.layer >= num_layers)
+      throw bad("lists the input '" + name + "' (a compact input is compact_codes_L or compact_scales_L of a layer L "
+                "in 0.." + std::to_string(num_layers - 1) + ")");
+    if (groups[static_cast<size_t>(layer_group[static_cast<size_t>(c.layer)])].window != 0)
+      throw bad("gives layer " + std::to_string(c.layer) + " of a sliding group a compact region (only the global "
+                "group's layers read one)");
+    uint8_t& s = seen[2 * static_cast<size_t>(c.layer) + (c.scales ? 1 : 0)];
+    if (s) throw bad("lists the input '" + name + "' twice");
+    s = 1;
+    c.shape = {num_compact_blocks, kv_heads, block_size, c.scales ? compact_scale_width : compact_code_width};
+    if (compact_of_layer.empty()) compact_of_layer.assign(static_cast<size_t>(num_layers), {-1, -1});
+    auto& slot = compact_of_layer[static_cast<size_t>(c.layer)];
+    (c.scales ? slot.second : slot.first) = static_cast<int>(compact_inputs.size());
+    compact_inputs.push_back(c);
+  }
+  for (const LayerGroup& g : groups)
+    for (int l : g.layers)
+      if (!g.window && !(seen[2 * static_cast<size_t>(l)] && seen[2 * static_cast<size_t>(l) + 1]))
+        throw bad("lists no compact_codes_" + std::to_string(l) + " / compact_scales_" + std::to_string(l) +
+                  " for global layer " + std::to_string(l));
+}
+
+// The compact region: one anonymous mapping (page aligned, zeroed), each tensor on a 64-byte boundary
+// (toolkit.pool_layout.POOL_ALIGN), the tensors the program takes in the manifest's input order.
+void Runner::Impl::allocate_compact(size_t alloc_index) {
+  constexpr size_t kAlign = 64;
+  size_t total = 0;
+  for (CompactInput& c : compact_inputs) {
+    total = (total + kAlign - 1) / kAlign * kAlign;
+    c.offset = total;
+    c.bytes = c.scales ? 2 : 1;
+    for (int64_t d : c.shape) c.bytes *= static_cast<size_t>(d);
+    total += c.bytes;
+  }
+  auto mem = std::make_unique<Arena>();
+  mem->size = std::max<size_t>(total, 1);
+  const bool fail = cfg.fail_allocation_at == static_cast<int>(alloc_index);
+  void* p = fail ? MAP_FAILED : mmap(nullptr, mem->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED)
+    throw RunnerError(ErrorCode::kAllocation, "could not allocate the compact region (" +
+                                                  std::to_string(num_compact_blocks) + " blocks, " +
+                                                  std::to_string(mem->size) + " bytes)" +
+                                                  (fail ? " [injected failure]" : "") +
+                                                  ": free memory or export fewer --compact-blocks. Nothing stays allocated.");
+  mem->ptr = static_cast<uint8_t*>(p);
+  if (cfg.prefault) std::memset(mem->ptr, 0, mem->size);  // commit it now (a fresh mapping reads as zeros)
+  using executorch::extension::make_tensor_ptr;
+  for (const CompactInput& c : compact_inputs) {
+    std::vector<executorch::aten::SizesType> sizes(c.shape.begin(), c.shape.end());
+    compact_tensors.push_back(make_tensor_ptr(std::move(sizes), mem->ptr + c.offset,
+                                              c.scales ? ScalarType::Half : ScalarType::Byte));
+  }
+  compact_mem = std::move(mem);
+}
+
+// The chat template: pagedkv.json's chat_template, else chat_template.jinja or tokenizer_config.json's
+// chat_template among the exported tokenizer files (what runtime_sim's tokenizer reads). The special
+// tokens the template may print come from tokenizer_config.json.
+void Runner::Impl::load_chat_template(const std::string& dir) {
+  Json cfg;
+  if (listed("tokenizer_config.json")) {
     try {
-      for (int i = 0; i < nb; ++i) {  // block by block, so a sliding group hands back what left its window
-        const int len = std::min(bs, n - i * bs);
-        pool->reserve(seq, len);
-        pool->commit(seq, len);
-        for (size_t gi = 0; gi < f.groups.size(); ++gi) {
-          const auto& t = pool->pool(gi).blocks(seq);
-          const uint8_t kind = f.groups[gi].present[static_cast<size_t>(i)];
-          if (kind == kBlockHole && t[static_cast<size_t>(i)] >= 0 && len == bs)
-            pool->pool(gi).drop_blocks(seq, {i});  // a block the saver's pool dropped (sliding policy)
-          else if (kind == kBlockCompact)
-            pool->pool(gi).compact(seq, i);  // only its compact records are written below
-        }
-      }
-      const size_t rec = static_cast<size_t>(kv_heads) * bs;
-      for (size_t gi = 0; gi < f.groups.size(); ++gi) {
-        const auto& t = pool->pool(gi).blocks(seq);
-        const int nd = pool->pool(gi).num_blocks();
-        for (int i = 0; i < nb; ++i)
-          if ((t[static_cast<size_t>(i)] >= 0) != (f.groups[gi].present[static_cast<size_t>(i)] != kBlockHole))
-            throw bad("holds blocks of layer group " + std::to_string(gi) + " that its window would not keep (damaged)");
-        for (int l : groups[gi].layers) {
-          const LayerPool& v = views[static_cast<size_t>(l)];
-          size_t k = 0, kc = 0;  // the file's k-th default and kc-th compact block of this layer
-          const size_t cw = rec * static_cast<size_t>(compact_code_width), sw = rec * 2 * static_cast<size_t>(compact_scale_width);
-          for (int i = 0; i < nb; ++i) {
-            const int id = t[static_cast<size_t>(i)];
-            if (id < 0) continue;
-            if (id >= nd) {  // a compact block: its compact records into the compact region
-              const size_t b = static_cast<size_t>(id - nd);
-              std::memcpy(compact_region(l, false) + b * cw, f.compact_codes[static_cast<size_t>(l)].data() + kc * cw, cw);
-              std::memcpy(compact_region(l, true) + b * sw, f.compact_scales[static_cast<size_t>(l)].data() + kc * sw, sw);
-              ++kc;
-              continue;
-            }
-            const size_t b = static_cast<size_t>(id);
-            std::memcpy(v.codes + b * rec * code_bytes, f.codes[static_cast<size_t>(l)].data() + k * rec * code_bytes,
-                        rec * code_bytes);
-            if (scale_bytes)
-              std::memcpy(v.scales + b * rec * scale_bytes,
-                          f.scales[static_cast<size_t>(l)].data() + k * rec * scale_bytes, rec * scale_bytes);
-            ++k;
-          }
-        }
-      }
-      if (has_stage)
-        for (int l = 0; l < num_layers; ++l)
-          std::memcpy(views[static_cast<size_t>(l)].stage + static_cast<size_t>(seq) * f.stage_bytes(),
-                      f.stage[static_cast<size_t>(l)].data(), f.stage_bytes());
-    } catch (...) {
-      pool->release(seq);
-      throw;
-    }
-    for (size_t gi = 0; gi < groups.size(); ++gi) peak_used[gi] = std::max(peak_used[gi], pool->pool(gi).num_used());
-    return seq;
-  }
-
-  // ---- the compact tier and the pressure ladder (runtime_sim/compact.py, Engine._make_room) ----
-
-  bool adaptive() const { return cfg.policy == "adaptive"; }
-  bool can_spill() const { return adaptive() && !cfg.spill_dir.empty(); }
-  int slide_sink() const { return cfg.sink_blocks > 0 ? cfg.sink_blocks : std::max(1, static_cast<int>(conv_spec.sink_blocks)); }
-
-  // Default block src re-quantized into block dst of the compact region (0-based) in every global layer.
-  void requantize_block(const std::vector<LayerPool>& views, int src, int dst) {
-    const size_t rec = static_cast<size_t>(kv_heads) * block_size;
-    for (int l : groups[0].layers) {
-      const LayerPool& v = views[static_cast<size_t>(l)];
-      requantize_records(v.codes + static_cast<size_t>(src) * rec * code_bytes,
-                         reinterpret_cast<const uint16_t*>(v.scales + static_cast<size_t>(src) * rec * scale_bytes), rec,
-                         spec_bits, compact_bits, head_dim,
-                         compact_region(l, false) + static_cast<size_t>(dst) * rec * compact_code_width,
-                         reinterpret_cast<uint16_t*>(compact_region(l, true) +
-                                                     static_cast<size_t>(dst) * rec * 2 * compact_scale_width));
-    }
-  }
-
-  // runtime_sim.compact.aged_blocks: logical blocks of seq that may move to the compact region, oldest
-  // first: from past the sink to the last block ending at least horizon tokens back, default blocks only
-  // (every block here is held by one sequence: the runner shares none).
-  std::vector<int> aged_blocks(int seq, int horizon) const {
-    const BlockManager& main = pool->main();
-    const auto& table = main.blocks(seq);
-    const int len = main.length(seq);
-    const int last = len >= horizon ? (len - horizon) / block_size : 0;  // blocks i < last end >= horizon back
-    std::vector<int> out;
-    for (int i = std::max(1, static_cast<int>(conv_spec.sink_blocks)); i < last && i < static_cast<int>(table.size()); ++i)
-      if (table[static_cast<size_t>(i)] >= 0 && table[static_cast<size_t>(i)] < main.num_blocks()) out.push_back(i);
-    return out;
-  }
-
-  // runtime_sim.compact.compact_aged: move c's aged blocks, oldest first, while the compact region has free
-  // blocks: all of them, or at most limit (> 0; the ladder asks for what its step is short of).
-  std::vector<std::tuple<int, int, int>> compact_aged(Conv& c, int horizon, int limit = 0) {
-    std::vector<std::tuple<int, int, int>> moved;
-    BlockManager& main = pool->main();
-    const std::vector<int> aged = aged_blocks(c.seq, horizon);
-    if (aged.empty() || !main.num_free_compact()) return moved;
-    const std::vector<LayerPool> views = ensure_pool_views();
-    const int n = main.num_blocks();
-    for (int i : aged) {
-      if (!main.num_free_compact() || (limit > 0 && static_cast<int>(moved.size()) >= limit)) break;
-      const std::pair<int, int> ids = main.compact(c.seq, i);  // the default block is freed, its records intact
-      requantize_block(views, ids.first, ids.second - n);
-      moved.emplace_back(i, ids.first, ids.second);
-    }
-    return moved;
-  }
-
-  // The compact rung (Engine._compact_one): the oldest aged blocks (at most limit, what the step is short
-  // of) of one conversation, the least recently used idle resident one that has any, else the active one.
-  // False if none moved; make_room asks again while it is still short.
-  bool compact_one(Conv* active, int limit) {
-    if (!pool->main().num_free_compact()) return false;
-    std::vector<Conv*> order;
-    for (auto& kv : convs)
-      if (kv.second.spill.empty() && &kv.second != active) order.push_back(&kv.second);
-    std::stable_sort(order.begin(), order.end(), [](const Conv* a, const Conv* b) { return a->last_used < b->last_used; });
-    if (active) order.push_back(active);
-    for (Conv* c : order) {
-      const auto moved = compact_aged(*c, cfg.compact_horizon, limit);
-      if (!moved.empty()) {
-        ++ladder.compactions;
-        ladder.compacted_blocks += static_cast<int64_t>(moved.size());
-        return true;
-      }
-    }
-    return false;
-  }
-
-  // The sliding rung (Engine._slide): drop the active conversation's oldest full default block after the
-  // sink, in every group that still holds it. Compact blocks are not dropped (that frees no default block).
-  bool slide_one(Conv& a) {
-    BlockManager& main = pool->main();
-    const auto& table = main.blocks(a.seq);
-    const int full = main.length(a.seq) / block_size;
-    for (int i = slide_sink(); i < full; ++i) {
-      const int b = table[static_cast<size_t>(i)];
-      if (b < 0 || b >= main.num_blocks()) continue;
-      for (size_t g = 0; g < groups.size(); ++g) {
-        const auto& t = pool->pool(g).blocks(a.seq);
-        if (i < static_cast<int>(t.size()) && t[static_cast<size_t>(i)] >= 0) pool->pool(g).drop_blocks(a.seq, {i});
-      }
-      ++ladder.slides;
-      return true;
-    }
-    return false;
-  }
-
-  std::string spill_path(int id) const {
-    char tag[64];
-    std::snprintf(tag, sizeof tag, "%d-%llx", static_cast<int>(getpid()),
-                  static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(this)));
-    return cfg.spill_dir + "/spill-" + tag + "-" + std::to_string(id) + ".pkvc";
-  }
-
-  // The spill rung (Engine._spill_one): write the least recently used resident conversation other than
-  // protect to its spill file and free its slot and blocks. With short_groups / compact_short: only one
-  // that frees a block of a short group (or a compact block). False if none, or if its file could not be
-  // written (then nothing changed).
-  bool spill_one(const Conv* protect, const std::vector<int>* short_groups, bool compact_short) {
-    const bool filter = (short_groups && !short_groups->empty()) || compact_short;
-    Conv* best = nullptr;
-    int best_id = -1;
-    for (auto& kv : convs) {
-      Conv& c = kv.second;
-      if (!c.spill.empty() || &c == protect) continue;
-      if (filter) {
-        bool frees = false;
-        for (size_t k = 0; short_groups && k < short_groups->size() && !frees; ++k) {
-          const BlockManager& p = pool->pool(static_cast<size_t>((*short_groups)[k]));
-          for (int32_t b : p.blocks(c.seq)) frees = frees || (b >= 0 && b < p.num_blocks());
-        }
-        if (compact_short)
-          for (int32_t b : pool->main().blocks(c.seq)) frees = frees || b >= pool->main().num_blocks();
-        if (!frees) continue;
-      }
-      if (!best || c.last_used < best->last_used) {
-        best = &c;
-        best_id = kv.first;
-      }
-    }
-    if (!best) return false;
-    const std::string path = spill_path(best_id);
-    int64_t size = 0;
-    try {
-      ConversationFile f = capture(*best);
-      f.app.clear();  // the runner keeps the chat's messages; the file holds the cache (as Engine's spill)
-      size = static_cast<int64_t>(write_conversation_file(path, f));
+      cfg = Json::parse(read_text(dir + "/tokenizer_config.json", "tokenizer config"));
     } catch (const RunnerError&) {
-      ++ladder.spill_failures;  // the next rung is taken; the conversation stays resident
-      return false;
+      throw;
+    } catch (const std::exception& e) {
+      throw RunnerError(ErrorCode::kArtifact, dir + "/tokenizer_config.json is not valid JSON (" + e.what() +
+                                                  "): re-run `pagedkv export`.");
     }
-    pool->release(best->seq);
-    best->seq = kSpilled;
-    best->spill = path;
-    ++ladder.spills;
-    ladder.spill_bytes += size;
-    return true;
-  }
-
-  // adaptive: a free sequence slot, spilling the least recently used idle conversation if all are held.
-  void make_slot(const Conv* protect) {
-    while (can_spill() && static_cast<int>(pool->live_sequences().size()) >= max_seqs && spill_one(protect, nullptr, false)) {
+    for (const char* k : {"bos_token", "eos_token", "unk_token", "pad_token"}) {
+      const Json* v = cfg.find(k);
+      if (v && v->is_object()) v = v->find("content");
+      if (v && v->is_string()) template_vars[k] = TValue::str(v->as_string());
     }
   }
+  std::string src = chat_template_src;
+  if (src.empty() && listed("chat_template.jinja")) src = read_text(dir + "/chat_template.jinja", "chat template");
+  if (src.empty()) {
+    const Json* t = cfg.find("chat_template");
+    if (t && t->is_string()) src = t->as_string();
+  }
+  if (src.empty()) return;
+  try {
+    chat_template = std::make_unique<ChatTemplate>(src);
+  } catch (const TemplateError& e) {
+    throw RunnerError(ErrorCode::kArtifact, std::string(e.what()) + " (in the artifacts' chat template): re-export, "
+                                                                     "or report the template.");
+  }
+}
 
-  // adaptive: spill idle conversations until f can be restored (default blocks, compact blocks, a slot).
-  void room_for_file(const ConversationFile& f, const Conv* protect) {
-    if (!can_spill()) return;
-    const std::vector<int> need = blocks_to_restore(f);
-    while (true) {
-      std::vector<int> short_groups;
-      for (size_t g = 0; g < need.size() && g < groups.size(); ++g)
-        if (need[g] > pool->pool(g).num_free()) short_groups.push_back(static_cast<int>(g));
-      const bool compact_short = static_cast<int>(f.n_compact()) > pool->main().num_free_compact();
-      if (short_groups.empty() && !compact_short && static_cast<int>(pool->live_sequences().size()) < max_seqs) return;
-      if (!spill_one(protect, &short_groups, compact_short)) return;  // restore_seq names the shortage
+std::string Runner::Impl::render(const std::vector<std::pair<std::string, std::string>>& messages) const {
+  if (!chat_template) {  // no template: plain lines, like runtime_sim's chat
+    std::string s;
+    for (const auto& m : messages) s += m.first + ": " + m.second + "\n";
+    return s + "assistant:";
+  }
+  auto vars = template_vars;
+  vars["messages"] = chat_messages(messages);
+  vars["add_generation_prompt"] = TValue::boolean(true);
+  try {
+    return chat_template->render(vars);
+  } catch (const TemplateError& e) {  // e.g. a template that requires alternating roles
+    throw RunnerError(ErrorCode::kArgument, std::string(e.what()) + ": clear the conversation to start over.");
+  }
+}
+
+void Runner::Impl::allocate_and_load(const std::string& dir) {
+  const std::string pte = dir + "/" + pte_file;
+  { std::ifstream f(pte); if (!f) read_text(pte, "program"); }
+  module = std::make_unique<Module>(pte, Module::LoadMode::Mmap);
+  if (module->load() != et::Error::Ok)
+    throw RunnerError(ErrorCode::kModel, "ExecuTorch could not load " + pte +
+                                             ": is it a .pte from the same executorch version (1.5.1)?");
+  auto meta = module->method_meta("forward");
+  if (!meta.ok()) throw RunnerError(ErrorCode::kModel, pte + " has no 'forward' method: re-export it.");
+  const size_t nbuf = meta->num_memory_planned_buffers();
+  const size_t want = 1 + static_cast<size_t>((num_layers + layers_per_arena - 1) / layers_per_arena);
+  if (nbuf != want)
+    throw RunnerError(ErrorCode::kArtifact, pte + " plans " + std::to_string(nbuf) + " memory arenas, the manifest " +
+                                                "implies " + std::to_string(want) +
+                                                " (activations + one per pool group): re-export the artifacts.");
+  // ids, positions, seq_ids, one block table per group, then logits_rows (programs exported before it
+  // compute every row's logits); the manifest's input names say which, else the count does
+  has_logits_rows = manifest_logits_rows >= 0 ? manifest_logits_rows == 1 : meta->num_inputs() == 4 + groups.size();
+  const size_t extra = has_logits_rows ? 1 : 0;
+  const size_t n_compact = compact_inputs.size();  // after the tables, before logits_rows
+  if (meta->num_inputs() != 3 + groups.size() + n_compact + extra)
+    throw RunnerError(ErrorCode::kArtifact,
+                      pte + " takes " + std::to_string(meta->num_inputs()) + " inputs (" +
+                          std::to_string(meta->num_inputs() >= 3 + extra ? meta->num_inputs() - 3 - extra : 0) +
+                          " block table(s)), but pagedkv.json describes " + std::to_string(groups.size()) +
+                          " layer group(s), one block table each" +
+                          (n_compact ? ", and " + std::to_string(n_compact) + " compact region inputs" : std::string()) +
+                          ": the manifest and the program disagree; re-run `pagedkv export`.");
+  for (size_t j = 0; j < n_compact; ++j) {  // each compact input as the program declares it
+    const CompactInput& c = compact_inputs[j];
+    const size_t idx = 3 + groups.size() + j;
+    auto tm = meta->input_tensor_meta(idx);
+    bool ok = tm.ok() && tm->scalar_type() == (c.scales ? ScalarType::Half : ScalarType::Byte) &&
+              tm->sizes().size() == c.shape.size();
+    for (size_t k = 0; ok && k < c.shape.size(); ++k) ok = tm->sizes()[k] == c.shape[k];
+    if (!ok)
+      throw RunnerError(ErrorCode::kArtifact,
+                        pte + "'s input " + std::to_string(idx) + " is not " + (c.scales ? "compact_scales_" : "compact_codes_") +
+                            std::to_string(c.layer) + " (" + (c.scales ? "float16" : "uint8") + " [" +
+                            std::to_string(c.shape[0]) + ", " + std::to_string(c.shape[1]) + ", " +
+                            std::to_string(c.shape[2]) + ", " + std::to_string(c.shape[3]) +
+                            "]) as pagedkv.json's pool and input names give: re-run `pagedkv export`.");
+  }
+  // the budget decides how many blocks of group 0 are usable (and committed); the other groups' are all
+  const int limit = cfg.pool_budget_bytes > 0 ? budget_blocks(cfg.pool_budget_bytes) : groups[0].num_blocks;
+  budget_limit = limit;
+  pool = std::make_unique<GroupedBlockManager>(groups, block_size, max_seqs, limit, num_compact_blocks);
+  for (size_t i = 0; i < nbuf; ++i) {
+    auto sz = meta->memory_planned_buffer_size(i);
+    if (!sz.ok()) throw RunnerError(ErrorCode::kModel, "cannot read the size of memory arena " + std::to_string(i + 1));
+    auto arena = std::make_unique<Arena>();
+    arena->size = static_cast<size_t>(std::max<int64_t>(*sz, 1));
+    const bool fail = cfg.fail_allocation_at == static_cast<int>(i);
+    void* p = fail ? MAP_FAILED
+                   : mmap(nullptr, arena->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      throw RunnerError(ErrorCode::kAllocation,
+                        "could not allocate memory arena " + std::to_string(i + 1) + " (" +
+                            (i == 0 ? std::string("activations")
+                                    : per_layer_arenas() ? "KV pool of layer " + std::to_string(i - 1)
+                                                         : "KV pool of layers from " + std::to_string((i - 1) * layers_per_arena)) +
+                            ", " + std::to_string(arena->size) + " bytes)" + (fail ? " [injected failure]" : "") +
+                            ": free memory or lower the pool budget. Nothing stays allocated.");
+    }
+    arena->ptr = static_cast<uint8_t*>(p);
+    const size_t codes = i >= 1 && per_layer_arenas() ? static_cast<size_t>(codes_bytes_of_layer(static_cast<int>(i - 1))) : 0;
+    if (codes > arena->size)
+      throw RunnerError(ErrorCode::kArtifact,
+                        "memory arena " + std::to_string(i + 1) + " (" + std::to_string(arena->size) +
+                            " bytes) is smaller than layer " + std::to_string(i - 1) + "'s codes tensor of " +
+                            std::to_string(codes) + " bytes (" +
+                            std::to_string(groups[static_cast<size_t>(layer_group[i - 1])].num_blocks) +
+                            " blocks): the .pte and pagedkv.json (pool / groups) do not match; re-export.");
+    spans.emplace_back(arena->ptr, arena->size);
+    arenas.push_back(std::move(arena));
+  }
+  if (n_compact) allocate_compact(nbuf);
+  planned = std::make_unique<et::HierarchicalAllocator>(et::Span<et::Span<uint8_t>>(spans.data(), spans.size()));
+  if (module->load_method("forward", planned.get()) != et::Error::Ok)
+    throw RunnerError(ErrorCode::kModel, "ExecuTorch could not load method 'forward' of " + pte +
+                                             " (missing kernel? the pagedkv kernels are linked into this runner)");
+  // commit what the budget allows: non-block tensors, blocks < limit. After loading the method (which
+  // writes nothing there): the load's own transient peak (XNNPACK packing the weights from the .pte's
+  // mapped pages) then does not stack on the pool's pages (issue 23). Not the activations arena: its
+  // plan is laid out for max_tokens_per_call tokens, and a call of fewer tokens (a smaller
+  // prefill_chunk, a decode step) writes only the first part of each tensor's slot; pages never
+  // written are never resident
+  for (size_t i = 1; cfg.prefault && i < nbuf; ++i) {
+    Arena& arena = *arenas[i];
+    if (!per_layer_arenas() || layer_group[i - 1] != 0) {
+      std::memset(arena.ptr, 0, arena.size);
+    } else {
+      const size_t codes = static_cast<size_t>(codes_bytes_of_layer(static_cast<int>(i - 1)));
+      std::memset(arena.ptr + codes, 0, arena.size - codes);
     }
   }
+  if (cfg.prefault) touch_blocks(0, limit, true);
+  mapped = std::make_unique<MappedPages>(pte);
+  mapped->prepare();
+}
 
-  void drop_spill(Conv& c) {
-    unlink(c.spill.c_str());  // a stray file at worst; the conversation is not affected
-    c.spill.clear();
-  }
-
-  // A spilled conversation that cannot be mapped back: a fresh slot, its file dropped, its tokens pending
-  // (prefilled again on this turn, under the ladder like any prompt).
-  Conv& reprefill_spilled(Conv& c) {
-    make_slot(&c);
-    c.seq = pool->new_sequence();
-    drop_spill(c);
-    c.pending.insert(c.pending.begin(), c.history.begin(), c.history.end());
-    c.history.clear();
-    ++ladder.spill_reprefills;
-    return c;
-  }
-
-  // The conversation with its cache in the pool (Engine._resident): a spilled one is mapped back from its
-  // file without prefill (spilling others to make room), or prefilled again if that cannot be.
-  Conv& resident(int id) {
-    Conv& c = conv(id);
-    if (c.spill.empty()) return c;
-    ConversationFile f;
-    try {
-      f = read_conversation_file(c.spill);
-      if (f.tokens != c.history || f.pending != c.pending)
-        throw RunnerError(ErrorCode::kArgument, "spill file " + c.spill + " holds other tokens");
-    } catch (const RunnerError&) {  // deleted or damaged behind our back: its tokens are still here
-      return reprefill_spilled(c);
+// One graph call for one conversation; returns the last token's logits.
+std::vector<float> Runner::Impl::step(Conv& c, const std::vector<int32_t>& toks) {
+  const int T = static_cast<int>(toks.size());
+  const int start = pool->length(c.seq);
+  const int width = (start + T + block_size - 1) / block_size;
+  if (width > max_blocks_per_seq)
+    throw RunnerError(ErrorCode::kArgument, "conversation would reach " + std::to_string(start + T) +
+                                                " tokens, the .pte accepts at most " +
+                                                std::to_string(max_blocks_per_seq * block_size) + ": clear it.");
+  pool->reserve(c.seq, T);  // every group; throws kPoolExhausted with nothing changed
+  c.last_used = ++clock;
+  for (size_t g = 0; g < groups.size(); ++g) peak_used[g] = std::max(peak_used[g], pool->pool(g).num_used());
+  std::vector<int64_t> ids(toks.begin(), toks.end()), pos(T), seq(T, c.seq);
+  std::iota(pos.begin(), pos.end(), static_cast<int64_t>(start));
+  // one table [max_seqs, width] per layer group; a sliding group's rows have holes (-1) before its window
+  std::vector<std::vector<int64_t>> tables(groups.size(), std::vector<int64_t>(static_cast<size_t>(max_seqs) * width, -1));
+  for (size_t g = 0; g < groups.size(); ++g)
+    for (int s : pool->live_sequences()) {
+      const auto& b = pool->pool(g).blocks(s);
+      for (int j = 0; j < width && j < static_cast<int>(b.size()); ++j)
+        tables[g][static_cast<size_t>(s) * width + j] = b[static_cast<size_t>(j)];
     }
-    room_for_file(f, &c);
-    if (static_cast<int>(f.n_compact()) > pool->main().num_free_compact()) return reprefill_spilled(c);
-    c.seq = restore_seq(f, c.spill);  // throws with nothing changed
-    drop_spill(c);
-    ++ladder.restores_from_spill;
-    return c;
+  using executorch::extension::make_tensor_ptr;
+  using executorch::extension::TensorPtr;
+  auto t_ids = make_tensor_ptr({1, T}, ids.data(), ScalarType::Long);
+  auto t_pos = make_tensor_ptr({T}, pos.data(), ScalarType::Long);
+  auto t_seq = make_tensor_ptr({T}, seq.data(), ScalarType::Long);
+  std::vector<TensorPtr> t_tabs;
+  std::vector<et::EValue> inputs = {*t_ids, *t_pos, *t_seq};
+  for (auto& t : tables) {  // block_tables, block_tables_1, ...: the .pte's input order
+    t_tabs.push_back(make_tensor_ptr({max_seqs, width}, t.data(), ScalarType::Long));
+    inputs.emplace_back(*t_tabs.back());
   }
+  for (auto& t : compact_tensors) inputs.emplace_back(*t);  // the compact region, read in place
+  int64_t last_row = T - 1;  // the LM head runs on the call's last token only
+  auto t_rows = make_tensor_ptr({1}, &last_row, ScalarType::Long);
+  if (has_logits_rows) inputs.emplace_back(*t_rows);
+  if (mapped) mapped->release();  // unmap the file pages the previous call read (mapped_pages.h)
+  auto res = module->forward(inputs);
+  if (!res.ok()) {
+    // the kernel checks its inputs before writing: the blocks reserved for this call are unused
+    throw RunnerError(ErrorCode::kModel, "ExecuTorch forward failed (error " +
+                                             std::to_string(static_cast<int>(res.error())) +
+                                             "); see the log for the kernel's message");
+  }
+  pool->commit(c.seq, T);  // a sliding group hands back the blocks that left its window
+  ran_step = true;
+  c.history.insert(c.history.end(), toks.begin(), toks.end());
+  const auto& out = res.get()[0].toTensor();
+  const int V = static_cast<int>(out.size(out.dim() - 1));
+  const float* data = out.const_data_ptr<float>();
+  const size_t row = has_logits_rows ? 0 : static_cast<size_t>(T - 1);
+  return std::vector<float>(data + row * V, data + (row + 1) * V);
+}
 
-  RunnerError exhausted(size_t g, int need, int free, size_t n_tokens, const char* what) const {
-    return RunnerError(ErrorCode::kPoolExhausted,
-                       "KV block pool exhausted for " + std::string(what) + " of " + std::to_string(n_tokens) +
-                           " tokens" +
-                           (grouped ? " in layer group " + std::to_string(g) + " (" +
-                                          (groups[g].window ? "window " + std::to_string(groups[g].window)
-                                                            : std::string("global")) + ")"
-                                    : std::string()) +
-                           ": needs " + std::to_string(need) + " block(s), only " + std::to_string(free) + " free" +
-                           (cfg.policy != "error" ? " (policy '" + cfg.policy + "' found nothing more to free)"
-                                                  : std::string()) +
-                           ". Clear a conversation or give the pool a larger budget.");
-  }
-
-  // Apply the pool policy until writing n_new tokens to a (in calls of chunk tokens; 0 = one call) will
-  // find its blocks, or throw kPoolExhausted (Engine._make_room). slide=false: only the rungs that keep
-  // every token (adaptive: compact and spill, never slide). Invariants are checked after every rung.
-  void make_room(Conv& a, int n_new, int chunk, bool slide, const char* what) {
-    bool spill = can_spill();
-    const bool can_compact = adaptive() && num_compact_blocks > 0 && groups[0].window == 0;
-    bool compact = can_compact;
-    while (true) {
-      const std::vector<int> need = pool->blocks_needed(a.seq, n_new, chunk);
-      std::vector<int> short_groups;
-      for (size_t g = 0; g < need.size(); ++g)
-        if (need[g] > pool->pool(g).num_free()) short_groups.push_back(static_cast<int>(g));
-      if (short_groups.empty()) return;
-      if (compact) {
-        // compaction frees blocks of the global group only, as many as it is short of
-        if (short_groups[0] == 0 && compact_one(&a, need[0] - pool->pool(0).num_free())) {
-          pool->check_invariants();
-          continue;
-        }
-        compact = false;  // nothing more is old enough, or the compact region is full: next rung
-      }
-      if (spill) {
-        if (spill_one(&a, &short_groups, false)) {
-          pool->check_invariants();
-          compact = can_compact;  // from the top: the spill may have freed compact blocks
-          continue;
-        }
-        spill = false;  // nothing left to spill, or a spill file could not be written: next rung
-      }
-      if ((adaptive() || cfg.policy == "sliding") && slide && slide_one(a)) {
-        pool->check_invariants();
-        continue;
-      }
-      const size_t g = static_cast<size_t>(short_groups[0]);
-      throw exhausted(g, need[g], pool->pool(g).num_free(), static_cast<size_t>(n_new), what);
-    }
-  }
-
-  Conv& conv(int id) {
-    auto it = convs.find(id);
-    if (it == convs.end())
-      throw RunnerError(ErrorCode::kState, "unknown conversation " + std::to_string(id) + ": create one with new_conversation()");
-    return it->second;
-  }
-};
+Runner::Impl::Conv& Runner::Impl::conv(int id) {
+  auto it = convs.find(id);
+  if (it == convs.end())
+    throw RunnerError(ErrorCode::kState, "unknown conversation " + std::to_string(id) + ": create one with new_conversation()");
+  return it->second;
+}
 
 static int32_t sample(const std::vector<float>& logits, const Sampling& s, std::mt19937_64& rng) {
   if (s.temperature <= 0.f)
@@ -1390,35 +725,6 @@ static int32_t sample(const std::vector<float>& logits, const Sampling& s, std::
   }
   std::discrete_distribution<size_t> dist(p.begin(), p.end());
   return static_cast<int32_t>(dist(rng));
-}
-
-void record_widths(const RecordBits& b, int d, int* code_bytes, int* scale_count) {
-  const int kg = b.k_group ? b.k_group : d, vg = b.v_group ? b.v_group : d;
-  *code_bytes = d * b.k_bits / 8 + d * b.v_bits / 8;
-  *scale_count = d / kg * (b.k_sym ? 1 : 2) + d / vg * (b.v_sym ? 1 : 2);
-}
-
-void requantize_records(const uint8_t* codes, const uint16_t* scales, size_t n, const RecordBits& src,
-                        const RecordBits& dst, int d, uint8_t* out_codes, uint16_t* out_scales) {
-  int scw = 0, ssw = 0, dcw = 0, dsw = 0;
-  record_widths(src, d, &scw, &ssw);
-  record_widths(dst, d, &dcw, &dsw);
-  // a record: K codes, then V codes; K's scales (and zero points when asymmetric), then V's
-  const int sk_codes = d * src.k_bits / 8, sk_meta = d / (src.k_group ? src.k_group : d) * (src.k_sym ? 1 : 2);
-  const int dk_codes = d * dst.k_bits / 8, dk_meta = d / (dst.k_group ? dst.k_group : d) * (dst.k_sym ? 1 : 2);
-  std::vector<float> x(static_cast<size_t>(d));
-  for (size_t r = 0; r < n; ++r) {
-    const uint8_t* c = codes + r * static_cast<size_t>(scw);
-    const uint16_t* m = scales + r * static_cast<size_t>(ssw);
-    uint8_t* oc = out_codes + r * static_cast<size_t>(dcw);
-    uint16_t* om = out_scales + r * static_cast<size_t>(dsw);
-    pagedkv::dequantize_record(c, m, d, src.k_bits, src.k_group ? src.k_group : d, src.k_sym, x.data());
-    pagedkv::quantize_record(x.data(), d, dst.k_bits, dst.k_group ? dst.k_group : d, dst.k_sym, oc, om);
-    pagedkv::dequantize_record(c + sk_codes, m + sk_meta, d, src.v_bits, src.v_group ? src.v_group : d, src.v_sym,
-                               x.data());
-    pagedkv::quantize_record(x.data(), d, dst.v_bits, dst.v_group ? dst.v_group : d, dst.v_sym, oc + dk_codes,
-                             om + dk_meta);
-  }
 }
 
 Runner::Runner(const RunnerConfig& cfg) : impl_(new Impl) {
@@ -1512,85 +818,6 @@ std::vector<int32_t> Runner::conversation_tokens(int conv) const {
   const auto& c = impl_->conv(conv);
   std::vector<int32_t> out = c.history;
   out.insert(out.end(), c.pending.begin(), c.pending.end());
-  return out;
-}
-
-int64_t Runner::save(int conv, const std::string& path) {
-  std::lock_guard<std::mutex> g(impl_->mu);
-  Impl& m = *impl_;
-  if (!m.sha_known)
-    throw RunnerError(ErrorCode::kArtifact, "pagedkv.json has no sha256 for the .pte, which a conversation file "
-                                            "names its model by: re-run `pagedkv export --format pte`.");
-  Impl::Conv& c = m.resident(conv);  // a spilled conversation is mapped back first (Engine.save)
-  const int64_t size = static_cast<int64_t>(write_conversation_file(path, m.capture(c)));
-  m.refresh_stats();
-  return size;
-}
-
-int Runner::restore(const std::string& path) {
-  std::lock_guard<std::mutex> g(impl_->mu);
-  Impl& m = *impl_;
-  if (!m.sha_known)
-    throw RunnerError(ErrorCode::kArtifact, "pagedkv.json has no sha256 for the .pte, which a conversation file "
-                                            "names its model by: re-run `pagedkv export --format pte`.");
-  // every check before the pool changes
-  ConversationFile f = read_conversation_file(path);
-  check_conversation_compatible(f, m.describe_pool(), path);
-  std::vector<std::pair<std::string, std::string>> messages;
-  if (!f.app.empty()) {  // the chat's messages (written by save or by `pagedkv chat`'s /save)
-    try {
-      const Json app = Json::parse(f.app);
-      if (const Json* ms = app.find("messages"))
-        for (const Json& e : ms->items()) messages.emplace_back(e["role"].as_string(), e["content"].as_string());
-    } catch (const std::exception&) {
-      throw RunnerError(ErrorCode::kArgument, "conversation file " + path + " holds application data that are not "
-                                              "chat messages: it cannot be restored; save the conversation again.");
-    }
-  }
-  m.room_for_file(f, nullptr);  // adaptive: spill idle conversations to make room
-  int seq;
-  try {
-    seq = m.restore_seq(f, path);
-  } catch (...) {
-    m.refresh_stats();
-    throw;
-  }
-  const int id = m.next_conv++;
-  m.convs[id] = Impl::Conv{seq, f.tokens, f.pending, messages, m.clock, {}};
-  m.refresh_stats();
-  return id;
-}
-
-std::vector<std::tuple<int, int, int>> Runner::compact(int conv, int horizon) {
-  std::lock_guard<std::mutex> g(impl_->mu);
-  Impl& m = *impl_;
-  if (horizon < 1)
-    throw RunnerError(ErrorCode::kArgument, "horizon " + std::to_string(horizon) + " is invalid: give the number of "
-                                            "recent tokens kept in the default region (>= 1).");
-  if (!m.num_compact_blocks || m.groups[0].window)
-    throw RunnerError(ErrorCode::kArgument, "this model has no compact region: export it with `pagedkv export "
-                                            "--compact-blocks N` to use the compact tier.");
-  Impl::Conv& c = m.conv(conv);
-  if (!c.spill.empty())
-    throw RunnerError(ErrorCode::kState, "conversation " + std::to_string(conv) + " lies in a spill file: its next "
-                                         "turn restores it; compact it then.");
-  auto moved = m.compact_aged(c, horizon);
-  m.pool->check_invariants();
-  m.refresh_stats();
-  return moved;
-}
-
-std::vector<uint8_t> Runner::block_kinds(int conv) const {
-  std::lock_guard<std::mutex> g(impl_->mu);
-  const Impl& m = *impl_;
-  auto it = m.convs.find(conv);
-  if (it == m.convs.end())
-    throw RunnerError(ErrorCode::kState, "unknown conversation " + std::to_string(conv) + ": create one with new_conversation()");
-  std::vector<uint8_t> out;
-  if (!it->second.spill.empty()) return out;
-  const BlockManager& main = m.pool->main();
-  for (int32_t b : main.blocks(it->second.seq))
-    out.push_back(b < 0 ? kBlockHole : b < main.num_blocks() ? kBlockDefault : kBlockCompact);
   return out;
 }
 
@@ -1750,35 +977,6 @@ std::vector<int32_t> Runner::generate(int conv, const std::vector<int32_t>& prom
   }
   m.refresh_stats();
   return out;
-}
-
-ShrinkResult Runner::shrink(int target) {
-  std::lock_guard<std::mutex> g(impl_->mu);
-  Impl& m = *impl_;
-  ShrinkResult r;
-  r.requested_blocks = target;
-  BlockManager& main = m.pool->main();  // group 0: the one with a limit
-  r.usable_before = main.limit();
-  int hu = main.highest_used();
-  if (hu >= target) {  // count used blocks at or above the target
-    for (int s : main.live_sequences())
-      for (int b : main.blocks(s))
-        if (b >= target && b < main.num_blocks()) ++r.blocked_by_used;  // compact blocks do not block it
-  }
-  r.usable_after = main.shrink(target);
-  r.released_bytes = m.touch_blocks(r.usable_after, r.usable_before, false);
-  m.refresh_stats();
-  return r;
-}
-
-int Runner::grow(int target) {
-  std::lock_guard<std::mutex> g(impl_->mu);
-  Impl& m = *impl_;
-  int before = m.pool->main().limit();
-  int after = m.pool->main().grow(std::min(target, m.pool->main().num_blocks()));
-  if (m.cfg.prefault) m.touch_blocks(before, after, true);
-  m.refresh_stats();
-  return after;
 }
 
 PoolStats Runner::stats() const {
