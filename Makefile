@@ -21,8 +21,9 @@ include toolkit/csrc/build.mk
 demo: venv native
 	$(BIN)/python -m runtime_sim.demo
 
+# --durations: where the time goes, in every CI log (the budget for `make test` is ~20 min on 2 cores)
 pytest: venv native
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=30
 
 test: venv native-test pytest
 
