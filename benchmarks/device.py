@@ -55,8 +55,9 @@ RUNNER_CLI = REPO / "build" / "android-host" / "pagedkv-runner"  # --runner over
 # the longest context SmolLM2 allows (max_position_embeddings): where the 0.6x-of-llama.cpp-f16 target applies
 LONGEST_CTX = 8192
 # bumped when an exporter changes what a format stores (onnx v2: int4 blocks repacked on their GGUF grid;
-# pte-8da4w-asym-e8h8 v2: block sums by reshape + a [1, 32] linear instead of [K/32, K] 0/1 matrices)
-EXPORT_VERSIONS = {"onnx": "v2", "pte": "v1", "pte-8da4w-asym-e8h8": "v2"}
+# pte-8da4w-asym-e8h8 v2: block sums by reshape + a [1, 32] linear instead of [K/32, K] 0/1 matrices;
+# pte v2 / asym v3: one logits row per call, the runner's need, so the arena holds no [64, vocab] logits)
+EXPORT_VERSIONS = {"onnx": "v2", "pte": "v2", "pte-8da4w-asym-e8h8": "v3"}
 
 SYSTEMS: dict[str, dict] = {
     "runner-pte-8da4w": {"kind": "runner", "art": "pte-8da4w", "weights": "8da4w (int4 linears, fp32 embedding)"},
@@ -141,7 +142,8 @@ def do_export(kind: str, out: Path, pool_tokens: int) -> dict:
     from export.artifacts import PoolRequest, export_artifacts
 
     fmt, weights = kind.split("-", 1)
-    kw = {"onnx_weights": weights} if fmt == "onnx" else {"pte_weights": weights}
+    # the .pte computes one logits row per call: all a chat on the runner asks for
+    kw = {"onnx_weights": weights} if fmt == "onnx" else {"pte_weights": weights, "max_logits_rows": 1}
     t0 = time.time()
     m = export_artifacts("smollm2", out, formats=(fmt,), spec="default",
                          pool=PoolRequest(pool_tokens=pool_tokens, max_seqs=1), max_tokens_per_call=64,

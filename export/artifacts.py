@@ -156,7 +156,8 @@ def chat_fields(tokenizer, eos_ids: list[int], vocab_size: int) -> dict:
     return out
 
 
-def check_options(formats, onnx_weights: str, pte_weights: str, max_tokens_per_call: int) -> None:
+def check_options(formats, onnx_weights: str, pte_weights: str, max_tokens_per_call: int,
+                  max_logits_rows: int | None = None) -> None:
     for f in formats:
         if f not in FORMATS:
             raise PagedKVError(f"unknown format '{f}': use onnx, pte or all.")
@@ -166,6 +167,9 @@ def check_options(formats, onnx_weights: str, pte_weights: str, max_tokens_per_c
         raise PagedKVError(f"--pte-weights {pte_weights}: use one of {', '.join(PTE_WEIGHTS)}.")
     if not 1 <= max_tokens_per_call <= MAX_TOKENS_PER_CALL:
         raise PagedKVError(f"--max-tokens-per-call {max_tokens_per_call}: give 1 .. {MAX_TOKENS_PER_CALL}.")
+    if max_logits_rows is not None and not 1 <= max_logits_rows <= max_tokens_per_call:
+        raise PagedKVError(f"--max-logits-rows {max_logits_rows}: give 1 .. {max_tokens_per_call} (the most tokens "
+                           "of a call), or leave it out for all of them.")
 
 
 def check_out_dir(out_dir: Path, force: bool) -> None:
@@ -254,16 +258,18 @@ def export_artifacts(
     onnx_weights: str = "fp32",
     pte_weights: str = "fp32",
     max_tokens_per_call: int = 64,
+    max_logits_rows: int | None = None,
     console: Console | None = None,
     model_and_tokenizer=None,
     force: bool = False,
 ) -> dict:
     """Export `model_path` to `out_dir` atomically; returns the manifest. `model_and_tokenizer` skips loading.
     An existing non-empty `out_dir` is refused unless `force` (then replaced whole). spec None: the
-    model type's default (kv_spec.default_spec_name)."""
+    model type's default (kv_spec.default_spec_name). max_logits_rows bounds the logits rows one .pte call
+    computes (export_pte); None: all of the call's tokens."""
     console = console or Console(stderr=True)
     formats = tuple(dict.fromkeys(formats))
-    check_options(formats, onnx_weights, pte_weights, max_tokens_per_call)
+    check_options(formats, onnx_weights, pte_weights, max_tokens_per_call, max_logits_rows)
     if spec is not None:
         spec = resolve_spec(spec).validate()
     pool = (pool or PoolRequest()).check()
@@ -289,7 +295,7 @@ def export_artifacts(
         layout = make_layout(model.config, spec, pool)
         tmp = _new_temp_dir(out_dir)
         manifest = _write_all(model, tokenizer, model_path, tmp, formats, spec, layout, onnx_weights, pte_weights,
-                              max_tokens_per_call, console)
+                              max_tokens_per_call, console, max_logits_rows)
         _replace_dir(tmp, out_dir)
         tmp = None
     except OSError as e:  # a full disk or a vanished dir: one line, nothing left behind
@@ -303,7 +309,7 @@ def export_artifacts(
 
 
 def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, onnx_weights, pte_weights,
-               max_tokens_per_call, console) -> dict:
+               max_tokens_per_call, console, max_logits_rows=None) -> dict:
     """Write every file of the export into `out` (a fresh dir); the manifest last."""
     from toolkit.compiler import compile, groups_manifest, model_dims, sliding_pool_blocks
     from toolkit.manifest import check_file_name, weights_sha256
@@ -340,7 +346,8 @@ def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, o
                 from export.executorch_export import export_pte
 
                 entry = export_pte(paged, out / "model.pte", weights=pte_weights,
-                                   max_tokens=max_tokens_per_call, progress=say)
+                                   max_tokens=max_tokens_per_call, max_logits_rows=max_logits_rows,
+                                   progress=say)
         entry["sha256"] = sha256_file(out / entry["file"])
         entry["export_seconds"] = round(time.time() - t0, 1)
         entry["bytes"] = (out / entry["file"]).stat().st_size

@@ -361,10 +361,12 @@ def _without_compact_buffers(paged: PagedModel):
 
 
 def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_arena: int = 1,
-               max_tokens: int = 128, progress=None) -> dict:
+               max_tokens: int = 128, max_logits_rows: int | None = None, progress=None) -> dict:
     """Write the .pte; returns its manifest entry (without sha256). A model with a compact region takes
     it as inputs (CompactInputs, between the tables and logits_rows); without one the program is the one
-    exported before the compact tier."""
+    exported before the compact tier. max_logits_rows: the most logits rows one call computes (None: as
+    many as its tokens). The memory planner sizes the logits buffer for it: at SmolLM2's vocabulary
+    64 rows take 12 MiB of the activation arena, 1 row (a chat on a phone) 192 KiB."""
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
 
@@ -396,17 +398,20 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
     compact = [x for i in compact_layers for x in paged.compact_pool_tensors()[i]]
     if len(tables) > 1 or compact:  # *more_tables (+ *compact): one varargs entry (none at all for one table)
         dyn["rest" if compact else "more_tables"] = tuple([{1: m} for _ in tables[1:]] + [None] * len(compact))
-    # logits_rows: the rows of the call whose logits the program computes (the program's last input)
-    dyn[LOGITS_ROWS] = {0: torch.export.Dim("R", min=1, max=max_tokens)}
+    # logits_rows: the rows of the call whose logits the program computes (the program's last input);
+    # one row is a static shape (torch.export specializes a dimension whose max is 1)
+    rows = min(max_logits_rows or max_tokens, max_tokens)
+    example_rows = torch.tensor([0, 1][:min(rows, 2)])
+    dyn[LOGITS_ROWS] = {0: torch.export.Dim("R", min=1, max=rows)} if rows > 1 else None
     t0 = time.time()
     with torch.no_grad():
         if compact:
             with _without_compact_buffers(paged):
                 exported = torch.export.export(CompactInputs(paged), (*example, *compact),
-                                               kwargs={LOGITS_ROWS: torch.tensor([0, 1])}, dynamic_shapes=dyn,
+                                               kwargs={LOGITS_ROWS: example_rows}, dynamic_shapes=dyn,
                                                strict=False)
         else:
-            exported = torch.export.export(paged, example, kwargs={LOGITS_ROWS: torch.tensor([0, 1])},
+            exported = torch.export.export(paged, example, kwargs={LOGITS_ROWS: example_rows},
                                            dynamic_shapes=dyn, strict=False)
     if progress:
         progress(f"torch.export done in {time.time() - t0:.0f}s; lowering to XNNPACK")
@@ -435,6 +440,7 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
         + compact_input_names(compact_layers) + [LOGITS_ROWS],
         "outputs": ["logits"],
         "max_tokens_per_call": max_tokens,
+        "max_logits_rows": rows,
         "max_blocks_per_seq": max_blocks,
         "layers_per_arena": arenas.layers_per_arena,
         # non_const_buffer_sizes[0] is reserved; [1] activations; [2..] one per group of layers' pools

@@ -271,6 +271,11 @@ class ExecuTorchBackend:
         self.groups = groups  # the manifest's layer groups (one block table each), None: one global group
         self.max_tokens = int(entry.get("max_tokens_per_call", 64))
         self.has_rows = entry.get("inputs", [None])[-1] == LOGITS_ROWS
+        # the most logits rows one call computes (export --max-logits-rows); a call that needs more is split
+        self.max_rows = entry.get("max_logits_rows", self.max_tokens)
+        if type(self.max_rows) is not int or self.max_rows < 1:
+            raise ArtifactError(f"{pte_path}: the manifest's max_logits_rows {self.max_rows!r} is not a positive "
+                                "integer: re-run `pagedkv export`.")
         try:
             self.module = portable_lib._load_for_executorch(str(pte_path))
         except Exception as e:  # the runtime raises RuntimeError with its own error code on a damaged file
@@ -293,13 +298,17 @@ class ExecuTorchBackend:
                 f"{len(ids)} tokens in one call, the .pte accepts at most {self.max_tokens}: lower the prefill "
                 "chunk or re-export with a larger --max-tokens-per-call."
             )
+        want = None
+        if self.has_rows:
+            want = np.arange(len(ids), dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+            if len(want) > self.max_rows:
+                return self._forward_split(ids, positions, seq_ids, tables, want)
         import torch
 
         tables = tables if isinstance(tables, list) else [tables]
         inputs = [torch.from_numpy(ids)[None], torch.from_numpy(positions), torch.from_numpy(seq_ids),
                   *[torch.from_numpy(t) for t in tables], *self._compact_inputs]
         if self.has_rows:
-            want = np.arange(len(ids), dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
             inputs.append(torch.from_numpy(np.ascontiguousarray(want)))
         out = self.module.forward(tuple(inputs))
         if self._pools is None:
@@ -308,6 +317,22 @@ class ExecuTorchBackend:
             self._pools = et_pool_arrays(self.layout, self.groups)
         logits = out[0][0].numpy()
         return logits if self.has_rows or rows is None else logits[np.asarray(rows)]
+
+    def _forward_split(self, ids, positions, seq_ids, tables, want) -> np.ndarray:
+        """A call that needs more logits rows than the program computes, as consecutive calls over the
+        same tokens that each end at (or before) max_rows of the wanted rows: the pool sees the same writes
+        in the same order, as with a smaller prefill chunk."""
+        wanted, back = np.unique(want, return_inverse=True)  # ascending, each row once
+        parts, start = [], 0
+        for i in range(0, len(wanted), self.max_rows):
+            group = wanted[i:i + self.max_rows]
+            end = int(group[-1]) + 1
+            parts.append(self.forward(ids[start:end], positions[start:end], seq_ids[start:end], tables,
+                                      rows=group - start))
+            start = end
+        if start < len(ids):  # tokens after the last wanted row still go into the pool
+            self.forward(ids[start:], positions[start:], seq_ids[start:], tables, rows=[len(ids) - start - 1])
+        return np.concatenate(parts)[back]
 
     def pool_arrays(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         if self._pools is None:  # the kernels report the buffers when they first run

@@ -370,7 +370,7 @@ def whole_process_estimate(art_dir, pool_bytes: int | None = None, runtime: str 
       more than the file's bytes (SmolLM2 8da4w-asym-e8h8 v2 at 8K: estimate 222 MiB, measured 223 MiB,
       benchmarks/results/device_8k.json). onnxruntime reads the .onnx into its heap.
     * pool: the KV pool the budget commits (pool_bytes, at most the exported pool's total_bytes).
-    * activations: the .pte's planned activation arena (sized by its max_tokens_per_call), or for
+    * activations: the .pte's planned activation arena (sized by max_tokens_per_call and max_logits_rows), or for
       onnxruntime the same estimate from the logits of one prefill chunk.
     * runtime: RUNTIME_BASE_BYTES (libraries, heap, stacks).
     """

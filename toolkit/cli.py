@@ -233,6 +233,10 @@ def export_cmd(
         "fp32", help="ExecuTorch weights: fp32; 8da4w (torchao, symmetric int4); 8da4w-e8 (and an int8 embedding: "
         "+65% PPL on SmolLM2); 8da4w-asym-e8h8 (asymmetric int4, exact on GGUF 4-bit grids; int8 head and embedding)."),
     max_tokens_per_call: int = typer.Option(64, help="Largest prefill chunk the .pte accepts."),
+    max_logits_rows: Optional[int] = typer.Option(
+        None, help="Most logits rows one .pte call computes. 1 for a phone (a chat needs the last token's only; "
+        "the activation arena shrinks by a [chunk, vocab] buffer, 12 MiB on SmolLM2); default: every token of the "
+        "call (runtime_sim's eval then runs at full speed; with fewer rows it splits calls)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing non-empty --out dir (whole, never merged)."),
     compact_blocks: int = typer.Option(
         0, "--compact-blocks", help="Blocks of a compact region (the compact tier: aged blocks re-quantized to fewer "
@@ -246,13 +250,13 @@ def export_cmd(
     if format not in ("onnx", "pte", "all"):
         _bad(f"unknown format '{format}': use onnx, pte or all.")
     formats = ("onnx", "pte") if format == "all" else (format,)
-    check_options(formats, onnx_weights, pte_weights, max_tokens_per_call)
+    check_options(formats, onnx_weights, pte_weights, max_tokens_per_call, max_logits_rows)
     s = resolve_spec(spec).validate() if spec is not None else None  # None: the model type's default
     req = PoolRequest(pool_tokens, pool_mb, max_seqs, block_size, compact_blocks).check()
     check_out_dir(Path(out).expanduser().absolute(), force)
     man = export_artifacts(
         model, out, formats, s, req, onnx_weights=onnx_weights, pte_weights=pte_weights,
-        max_tokens_per_call=max_tokens_per_call, force=force,
+        max_tokens_per_call=max_tokens_per_call, max_logits_rows=max_logits_rows, force=force,
     )
     pool = man["pool"]
     console.print(

@@ -51,10 +51,14 @@ def tiny_config(family: str, num_layers: int = 2):
     return AutoConfig.for_model(model_type, **kwargs)
 
 
-def tiny_model(family: str, seed: int = 0, attn_implementation: str = "eager", num_layers: int = 2):
-    """A float32 eval-mode model with deterministic random weights (scaled up so logits are not flat)."""
+def tiny_model(family: str, seed: int = 0, attn_implementation: str = "eager", num_layers: int = 2,
+               vocab_size: int | None = None):
+    """A float32 eval-mode model with deterministic random weights (scaled up so logits are not flat);
+    vocab_size overrides the config's (a real model's share of logits in the activations)."""
     torch.manual_seed(seed)
     config = tiny_config(family, num_layers)
+    if vocab_size is not None:
+        config.vocab_size = vocab_size
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
