@@ -8,6 +8,9 @@ scattered over the files.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -53,16 +56,71 @@ def wikitext() -> Path:
     return wikitext_path()
 
 
+def _digest(d: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(p for p in d.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(d)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def made_once(tmp_path_factory, key: str, make) -> Path:
+    """make(dir) run once per test run for `key` by whichever module asks first, in whichever pytest-xdist
+    worker (`make test` runs 2): the others wait on a lock and get the same dir, so identical tiny exports
+    are not repeated module after module. The dir is shared read-only: each hand-out checks that its files
+    still have the digest they had when made (a test that changed one fails the next that asks; see also
+    check_unchanged); after a failed make the next asker makes it afresh."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's dir, above each worker's own basetemp
+    root = base / "made-once"
+    root.mkdir(exist_ok=True)
+    out, stamp = root / key, root / f"{key}.sha256"
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not stamp.exists():
+            if out.exists():
+                import shutil
+
+                shutil.rmtree(out)
+            out.mkdir()
+            make(out)
+            stamp.write_text(_digest(out))
+        check_unchanged(out)
+    return out
+
+
+def check_unchanged(out: Path) -> None:
+    """Fails when a made_once dir's files differ from what make() wrote (a test wrote into a shared dir)."""
+    want = (out.parent / f"{out.name}.sha256").read_text()
+    assert _digest(out) == want, f"{out}: a test changed this shared fixture; copy it before changing files"
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_onnx_pte(tmp_path_factory, wikitext) -> Path:
     """A tiny llama with a BPE tokenizer trained on wikitext, exported to ONNX and .pte (default spec,
     a 256-token pool for 2 sequences, calls of up to 32 tokens): the save/restore and ladder tests
-    share it (tests open it read-only)."""
-    from export.artifacts import PoolRequest, export_artifacts
-    from toolkit.tiny_models import tiny_bpe_tokenizer, tiny_model
+    share it (made_once: one export per test run; tests open it read-only)."""
 
-    lines = [ln for ln in wikitext.read_text(encoding="utf-8").splitlines() if ln.strip()][:2000]
-    out = tmp_path_factory.mktemp("exported") / "tiny"
-    export_artifacts("tiny-llama", out, ("onnx", "pte"), "default", PoolRequest(pool_tokens=256, max_seqs=2),
-                     max_tokens_per_call=32, model_and_tokenizer=(tiny_model("llama"), tiny_bpe_tokenizer(lines)))
-    return out
+    def make(d: Path):
+        from export.artifacts import PoolRequest, export_artifacts
+        from toolkit.tiny_models import tiny_bpe_tokenizer, tiny_model
+
+        lines = [ln for ln in wikitext.read_text(encoding="utf-8").splitlines() if ln.strip()][:2000]
+        export_artifacts("tiny-llama", d / "tiny", ("onnx", "pte"), "default", PoolRequest(pool_tokens=256, max_seqs=2),
+                         max_tokens_per_call=32, model_and_tokenizer=(tiny_model("llama"), tiny_bpe_tokenizer(lines)))
+
+    out = made_once(tmp_path_factory, "tiny-llama-onnx-pte", make)
+    yield out / "tiny"
+    check_unchanged(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_pte_fp32(tmp_path_factory, wikitext) -> Path:
+    """android_demo/native/tests/make_fixtures.py with its defaults (the tiny llama .pte with an fp32 pool of
+    512 tokens for 2 sequences, its tokenizer, HF's greedy tokens in expected.json): the runner CLI, native
+    and app tests share it (made_once; tests open it read-only). Returns make_fixtures' OUT_DIR."""
+    from tests.native_build import tiny_pte_fixtures
+
+    out = made_once(tmp_path_factory, "make-fixtures-fp32", lambda d: tiny_pte_fixtures(d, wikitext))
+    yield out
+    check_unchanged(out)

@@ -53,7 +53,8 @@ def qemu_env(cross_build: Path) -> dict:
 
 
 def tiny_pte_fixtures(out: Path, wikitext: Path, *args: str) -> Path:
-    """make_fixtures.py into out (the tiny llama .pte, its tokenizer trained on wikitext, HF's greedy tokens)."""
+    """make_fixtures.py into out (the tiny llama .pte, its tokenizer trained on wikitext, HF's greedy tokens).
+    With the default args take conftest's tiny_pte_fp32 instead: one export per test run, shared."""
     import make_fixtures as mf
 
     assert mf.main([str(out), "--text", str(wikitext), *args]) == 0

@@ -14,15 +14,17 @@ import subprocess
 
 import pytest
 
-from tests.native_build import build, need, qemu_env, tiny_pte_fixtures
+from tests.native_build import build, need, qemu_env
 
 
 @pytest.fixture(scope="module")
-def fixtures(tmp_path_factory, wikitext):
-    out = tiny_pte_fixtures(tmp_path_factory.mktemp("runner-cli-fixtures"), wikitext)
-    case = json.loads((out / "expected.json").read_text())["cases"][0]
-    (out / "prompt.txt").write_text(case["prompt"], encoding="utf-8")
-    return out, case
+def fixtures(tiny_pte_fp32, tmp_path_factory):
+    """(make_fixtures' dir, its first case, a prompt file holding the case's prompt); the dir is shared
+    with other modules (conftest.tiny_pte_fp32): read-only."""
+    case = json.loads((tiny_pte_fp32 / "expected.json").read_text())["cases"][0]
+    prompt = tmp_path_factory.mktemp("runner-cli") / "prompt.txt"
+    prompt.write_text(case["prompt"], encoding="utf-8")
+    return tiny_pte_fp32, case, prompt
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +34,8 @@ def host_cli():
 
 
 def cli(binary, fix, *extra, prefix=(), env=None):
-    out, case = fix
-    cmd = [*prefix, str(binary), str(out / "artifacts"), "--prompt-file", str(out / "prompt.txt"),
+    out, case, prompt = fix
+    cmd = [*prefix, str(binary), str(out / "artifacts"), "--prompt-file", str(prompt),
            "--ctx", str(len(case["prompt_ids"])), "--decode", str(len(case["hf_greedy"])), "--threads", "1", *extra]
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=1800, env=env)
 
@@ -42,7 +44,7 @@ def test_cli_greedy_tokens_and_memory_breakdown(host_cli, fixtures):
     p = cli(host_cli, fixtures, "--json", "--budget-mb", "1")
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    _, case = fixtures
+    _, case, _ = fixtures
     assert r["generated"] == case["hf_greedy"]
     assert r["ctx"] == len(case["prompt_ids"]) and r["threads"] == 1
     assert r["ttft_s"] > 0 and r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
@@ -65,7 +67,7 @@ def test_cli_budget_blocks_equal_the_python_formula(host_cli, fixtures):
     manifest and budget the runner reports the same usable blocks (capped at the exported pool)."""
     from toolkit.pool_layout import MIN_POOL_BLOCKS, PoolLayout, blocks_for_budget
 
-    out, _ = fixtures
+    out, _, _ = fixtures
     layout = PoolLayout.from_dict(json.loads((out / "artifacts" / "pagedkv.json").read_text())["pool"])
     # the fixture's pool: 32 blocks of 32 KiB + 32 KiB of non-block bytes, so 1 MiB holds 30 blocks (a budget
     # that ignored the non-block bytes would say 32) and 2 MiB holds them all
@@ -83,13 +85,13 @@ def test_cli_budget_blocks_equal_the_python_formula(host_cli, fixtures):
 
 
 def test_cli_manifest_pool_sizes_that_do_not_add_up(host_cli, fixtures, tmp_path):
-    out, _ = fixtures
+    out, _, prompt = fixtures
     art = tmp_path / "artifacts"
     shutil.copytree(out / "artifacts", art)
     man = json.loads((art / "pagedkv.json").read_text())
     man["pool"]["total_bytes"] = man["pool"]["num_blocks"] * man["pool"]["block_size"] * man["pool"]["bytes_per_token"] - 1
     (art / "pagedkv.json").write_text(json.dumps(man))
-    p = subprocess.run([str(host_cli), str(art), "--prompt-file", str(out / "prompt.txt"), "--ctx", "4", "--decode", "2",
+    p = subprocess.run([str(host_cli), str(art), "--prompt-file", str(prompt), "--ctx", "4", "--decode", "2",
                         "--budget-mb", "1"], capture_output=True, text=True, timeout=600)
     err = [ln for ln in p.stderr.splitlines() if ln.startswith("pagedkv-runner:")]
     assert p.returncode == 2 and len(err) == 1 and "pool sizes do not add up" in err[0] and "pagedkv export" in err[0], \
@@ -127,7 +129,7 @@ def test_cli_prefill_chunk_same_tokens_fewer_activation_pages(host_cli, fixtures
         p = cli(host_cli, fixtures, "--json", "--budget-mb", "1", *extra, env=env)
         assert p.returncode == 0, p.stderr[-3000:]
         runs[name] = json.loads(p.stdout.strip().splitlines()[-1])
-    _, case = fixtures
+    _, case, _ = fixtures
     assert all(r["generated"] == case["hf_greedy"] for r in runs.values())
     assert 0 < runs["chunk3"]["activations_resident_bytes"] < runs["default"]["activations_resident_bytes"]
     assert runs["default"]["activations_resident_bytes"] <= runs["default"]["activations_reserved_bytes"] + 4096
@@ -135,8 +137,8 @@ def test_cli_prefill_chunk_same_tokens_fewer_activation_pages(host_cli, fixtures
 
 
 def test_cli_missing_artifacts_and_pool_too_small(host_cli, fixtures, tmp_path, wikitext):
-    out, case = fixtures
-    p = subprocess.run([str(host_cli), str(tmp_path), "--prompt-file", str(out / "prompt.txt"), "--ctx", "4",
+    out, case, prompt = fixtures
+    p = subprocess.run([str(host_cli), str(tmp_path), "--prompt-file", str(prompt), "--ctx", "4",
                         "--decode", "2"], capture_output=True, text=True, timeout=600)
     assert p.returncode == 2 and "pagedkv export" in p.stderr, p.stderr
     # the fixture's pool holds 512 tokens: 500 + 24 do not fit, said before anything is generated
@@ -165,8 +167,8 @@ def assert_runner_equals_runtime_sim(host_cli, fixtures, art):
     """The host runner's 12 greedy tokens on the fixture prompt equal runtime_sim's on the same .pte."""
     from runtime_sim.session import open_artifacts
 
-    _, case = fixtures
-    p = subprocess.run([str(host_cli), str(art), "--prompt-file", str(fixtures[0] / "prompt.txt"), "--ctx",
+    _, case, prompt = fixtures
+    p = subprocess.run([str(host_cli), str(art), "--prompt-file", str(prompt), "--ctx",
                         str(len(case["prompt_ids"])), "--decode", "12", "--threads", "1", "--json"],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
