@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.native_build import CI, NATIVE, build, need, run, tiny_pte_fixtures
+from tests.native_build import CI, NATIVE, build, need, run
 
 
 def summary(out: str) -> list[tuple[int, int]]:
@@ -29,9 +29,9 @@ def host_build():
 
 
 @pytest.fixture(scope="module")
-def fixtures(tmp_path_factory, wikitext):
-    """A tiny llama exported to .pte with an fp32 pool + HF's greedy tokens (make_fixtures.py)."""
-    return tiny_pte_fixtures(tmp_path_factory.mktemp("android-fixtures"), wikitext)
+def fixtures(tiny_pte_fp32):
+    """A tiny llama exported to .pte with an fp32 pool + HF's greedy tokens (make_fixtures.py; shared, read-only)."""
+    return tiny_pte_fp32
 
 
 def expected(fixtures):
