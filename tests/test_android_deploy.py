@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from toolkit.deploy import (AdbNotFound, DeployError, NoDeviceError, deploy, deploy_files, pick_device,
-                            shell_command)
+from toolkit.deploy import (AdbNotFound, DeployError, NoDeviceError, deploy, deploy_files, logits_rows_hint,
+                            pick_device, shell_command)
 from toolkit.manifest import DIGEST_NAME, MANIFEST_NAME, write_manifest
 from toolkit.errors import ArtifactError, PagedKVError
 
@@ -220,6 +220,20 @@ def test_deploy_debuggable_via_run_as(tmp_path, fake_adb):
     deploy(art, adb="adb")
     assert (model / "model.pte").stat().st_ino != old_inode
     same_files(art, model)
+
+
+def test_deploy_hints_at_one_logits_row(tmp_path, fake_adb):
+    """A .pte planned for a chunk's logits rows gets the advice to export one row for the phone (with the
+    memory it costs when the manifest gives the vocabulary); one exported with one row gets none."""
+    art = make_artifacts(tmp_path / "a")
+    hint = deploy(art, adb="adb")["hint"]
+    assert "--max-logits-rows 1" in hint and "up to all logits rows" in hint
+    man = json.loads((art / MANIFEST_NAME).read_text())
+    man["artifacts"]["pte"]["max_logits_rows"] = 64
+    assert "up to 64 logits rows per call (11.8 MiB more" in logits_rows_hint({**man, "model": {"vocab_size": 49152}})
+    man["artifacts"]["pte"]["max_logits_rows"] = 1
+    write_manifest(art, man)
+    assert deploy(art, adb="adb")["hint"] is None
 
 
 def test_deploy_release_to_external_files_dir(tmp_path, fake_adb):

@@ -563,6 +563,8 @@ def deploy_cmd(
                  progress=lambda m: console.print(f"[dim]  {m}[/]"))
     console.print(f"deployed {len(res['files'])} files ({res['bytes'] / 2**20:.1f} MiB) to "
                   f"{res['serial']}:{res['remote_dir']}")
+    if res["hint"]:
+        console.print(f"[yellow]note:[/] {res['hint']}")
 
 
 def main():

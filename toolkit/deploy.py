@@ -100,6 +100,20 @@ def deploy_files(artifacts_dir: str | Path) -> list[Path]:
     return files
 
 
+def logits_rows_hint(manifest: dict) -> str | None:
+    """The phone's runner reads one logits row per call (the last token's). A .pte exported for more
+    rows plans a [rows, vocab] logits buffer in its activation arena: say how to drop it, or None."""
+    entry = manifest.get("artifacts", {}).get("pte", {})
+    rows = entry.get("max_logits_rows", entry.get("max_tokens_per_call"))
+    if rows == 1:
+        return None
+    vocab = manifest.get("model", {}).get("vocab_size")
+    size = (f" ({(rows - 1) * vocab * 4 / 2**20:.1f} MiB more activation memory than one row)"
+            if type(rows) is int and type(vocab) is int else "")
+    return (f"this .pte computes up to {rows if type(rows) is int else 'all'} logits rows per call{size}, the "
+            "phone's runner reads one: `pagedkv export --format pte --max-logits-rows 1` makes the phone's artifact")
+
+
 def find_adb(adb: str = "adb") -> str:
     path = shutil.which(adb)
     if path is None:
@@ -177,7 +191,8 @@ def _device_sha256(base: list[str], paths: list[str], run_as: str | None, what: 
 
 def deploy(artifacts_dir: str | Path, serial: str | None = None, adb: str = "adb",
            package: str = DEFAULT_PACKAGE, progress=None) -> dict:
-    """Push the artifacts to the app. Returns {"serial", "mode", "remote_dir", "files", "bytes"}."""
+    """Push the artifacts to the app. Returns {"serial", "mode", "remote_dir", "files", "bytes", "hint"}
+    (hint: logits_rows_hint's advice, or None)."""
     if serial is not None and (not serial or not re.fullmatch(r"[\w.:\-]+", serial)):
         raise PagedKVError(f"--serial {serial!r} is not a device serial: copy one from `adb devices`.")
     if not re.fullmatch(r"[A-Za-z][\w]*(\.[A-Za-z][\w]*)+", package):
@@ -234,4 +249,5 @@ def deploy(artifacts_dir: str | Path, serial: str | None = None, adb: str = "adb
     if debuggable:
         _run(base + ["shell", shell_command("rm", "-rf", REMOTE_STAGING)], "removing the staging dir")
     app_dir = f"/data/data/{package}/{APP_MODEL_DIR}" if debuggable else remote_dir
-    return {"serial": target, "mode": mode, "remote_dir": app_dir, "files": names, "bytes": total}
+    return {"serial": target, "mode": mode, "remote_dir": app_dir, "files": names, "bytes": total,
+            "hint": logits_rows_hint(read_manifest(Path(artifacts_dir)))}
