@@ -76,11 +76,11 @@ def test_app_logic_on_host_jvm(classes):
 
 
 @pytest.fixture(scope="module")
-def runner_fixtures(tmp_path_factory, wikitext):
+def runner_fixtures(tmp_path_factory, wikitext, tiny_pte_fp32):
     """The tiny .pte (make_fixtures.py) twice: as exported, and with a chat template and stop ids in its
     manifest (the fields export writes into pagedkv.json)."""
     out = tmp_path_factory.mktemp("android-app-fixtures")
-    tiny_pte_fixtures(out / "plain", wikitext)
+    shutil.copytree(tiny_pte_fp32, out / "plain")  # conftest's shared export, copied
     shutil.copytree(out / "plain", out / "templated")
     path = out / "templated" / "artifacts" / "pagedkv.json"
     m = json.loads(path.read_text())
