@@ -182,6 +182,23 @@ int BlockManager::shrink(int target) {
   return limit_;
 }
 
+void BlockManager::move_block(int from, int to) {
+  if (from < 0 || from >= num_blocks_ || refcount_[static_cast<size_t>(from)] == 0)
+    throw RunnerError(ErrorCode::kState, "cannot move block " + std::to_string(from) + ": it is not a used block of "
+                                             "the default region");
+  if (!free_.count(to))
+    throw RunnerError(ErrorCode::kState, "cannot move a block to block " + std::to_string(to) + ": it is not free "
+                                             "below the usable limit " + std::to_string(limit_));
+  for (Seq& s : seqs_)
+    if (s.live)
+      for (int32_t& b : s.blocks)
+        if (b == from) b = to;
+  refcount_[static_cast<size_t>(to)] = refcount_[static_cast<size_t>(from)];
+  refcount_[static_cast<size_t>(from)] = 0;
+  free_.erase(to);
+  if (from < limit_) free_.insert(from);
+}
+
 int BlockManager::grow(int target) {
   int to = std::min(target, num_blocks_);
   for (int b = limit_; b < to; ++b)

@@ -11,7 +11,8 @@
 //      prefix cache's hashes).
 //   3. the usable limit (C++ only): only blocks < limit() are handed out. shrink lowers it (blocks at
 //      or above the new limit must be free; the runner then returns their pages to the OS when Android
-//      asks the app to trim), grow raises it again up to the exported number of blocks. In a
+//      asks the app to trim, after moving used blocks below the new limit with move_block), grow raises
+//      it again up to the exported number of blocks. In a
 //      GroupedBlockManager only group 0 (the global group, when the model has global layers) has a
 //      limit below its block count; every other group always has all its blocks usable.
 // The compact region (the compact tier, issue 25; BlockPool(num_compact_blocks=N)): ids num_blocks ..
@@ -64,6 +65,10 @@ class BlockManager {
 
   // Lowers the limit towards target (never below highest_used()+1); returns the new limit.
   int shrink(int target);
+  // Renames used default block `from` to free block `to` (below the limit) in every table that holds it,
+  // its refcount with it; `from` becomes free. The caller copies the records (Runner::shrink packs used
+  // blocks below a lower limit with it; difference 3). Atomic: throws RunnerError(kState), nothing changed.
+  void move_block(int from, int to);
   // Raises the limit towards target (at most num_blocks); returns the new limit.
   int grow(int target);
   // Throws RunnerError(kState) naming the first broken invariant.
