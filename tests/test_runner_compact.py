@@ -212,7 +212,7 @@ def test_block_manager_compact_region_twin(tmp_path, seed):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Re-quantization in C++ (runner.cpp requantize_records: the core's dequantize_record / quantize_record)
+# Re-quantization in C++ (runner_compact.cpp requantize_records: the core's dequantize_record / quantize_record)
 # against toolkit.quant.requantize, bit for bit, on one block of records (kv_heads * block_size) whose
 # codes are arbitrary bytes (every bit pattern is a valid code) and whose scales and zero points are
 # arbitrary float16 values of either sign, with one all-zero record (quantize's scale-0 path).

@@ -429,3 +429,46 @@ def test_bad_files_leave_the_pool_intact(host, art, prompts, tmp_path):
         with pytest.raises(PagedKVError):
             e.restore(tmp_path / f"{name}.pkvc")
     e.check_invariants()
+
+
+# ---------------------------------------------------------------------------------------------------
+# A trim (the app's ChatEngine.trim: compact aged blocks, then shrink to the blocks in use) returns memory
+# at once: compaction frees the conversation's oldest, lowest default ids, and the shrink moves the used
+# blocks above the blocks in use into them before it lowers the limit (Runner::shrink, runner_trim.cpp).
+
+def codes_bytes(art, lo: int, hi: int) -> tuple[int, int]:
+    """The codes bytes of blocks [lo, hi) in every layer, and what page rounding may leave of them: the runner
+    madvises the whole pages inside each layer's range (where the plan put the codes tensor in its arena)."""
+    import os
+
+    pool = json.loads((art / "pagedkv.json").read_text())["pool"]
+    item = {"float32": 4, "float16": 2}.get(pool["codes_dtype"], 1)
+    per_block = int(np.prod(pool["codes_shape"][1:])) * item
+    return pool["num_layers"] * (hi - lo) * per_block, 2 * pool["num_layers"] * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_trim_after_compaction_releases_the_freed_blocks(host, art, prompts, tmp_path):
+    """After compaction the shrink moves the used default blocks above the blocks in use into the free ones
+    below, lowers the limit to the blocks in use and releases the pages above it; every block keeps its kind,
+    and after growing back the conversation goes on with the greedy tokens it gives without the trim."""
+    start = [{"op": "new"}, {"op": "generate", "conv": 0, "ids": prompts[:100], "decode": 20},
+             {"op": "compact", "conv": 0, "horizon": HORIZON}]
+    trim = [{"op": "shrink", "target": 0}, {"op": "grow", "target": POOL_TOKENS // 16}]
+    goon = [{"op": "generate", "conv": 0, "ids": prompts[100:110], "decode": 30}]
+    script = {"policy": "adaptive", "horizon": HORIZON, "threads": 1}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = run_script(host, art, dict(script, steps=start + goon), tmp_path / "a")
+    got = run_script(host, art, dict(script, steps=start + trim + goon), tmp_path / "b")
+    compacted, shrunk, grown = got[2], got[3], got[4]
+    used = compacted["used"]
+    assert len(compacted["moved"]) >= 2 and compacted["free_compact"] < COMPACT_BLOCKS
+    assert shrunk["usable_before"] == POOL_TOKENS // 16
+    assert shrunk["moved_blocks"] >= 1 and shrunk["usable_after"] == used  # not the highest used id + 1
+    assert shrunk["blocked_by_used"] == used and shrunk["used"] == used and shrunk["free"] == 0
+    span, slack = codes_bytes(art, used, POOL_TOKENS // 16)
+    assert span >= shrunk["released_bytes"] > span - slack
+    assert shrunk["kinds"] == compacted["kinds"] and shrunk["ladder"] == compacted["ladder"]
+    assert grown["usable"] == POOL_TOKENS // 16
+    assert got[-1]["tokens"] == plain[-1]["tokens"]
+    assert got[-1]["kinds"] == plain[-1]["kinds"] and got[-1]["ladder"] == plain[-1]["ladder"]

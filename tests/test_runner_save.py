@@ -186,3 +186,38 @@ def test_runner_rejects_bad_files_in_one_line(host_cli, runner_saved, fixtures, 
     err = [ln for ln in p.stderr.splitlines() if ln.startswith("pagedkv-runner:")]
     assert len(err) == 1 and needle in err[0], p.stderr
     assert not out.exists() and path.read_bytes() == bad  # nothing saved, the bad file left as it was
+
+
+# ---------------------------------------------------------------------------------------------------
+# A trim (save, then shrink to the blocks in use) with a closed conversation's blocks below a live one's:
+# Runner::shrink moves the live conversation's blocks down before it lowers the limit (runner_trim.cpp).
+
+def test_shrink_moves_used_blocks_down_and_keeps_the_tokens(fixtures, tmp_path):
+    """Two conversations, the first (lowest block ids) closed: shrink(0) moves the second's blocks of layer
+    group 0 into the freed ones, so the limit falls to the blocks in use; after growing back the second
+    conversation goes on with the greedy tokens it gives without the shrink."""
+    need("g++", "javac")
+    exe = build("host") / "runner_test"
+    ids = [5 + (i * 37) % 200 for i in range(60)]
+    start = [{"op": "new"}, {"op": "new"},
+             {"op": "generate", "conv": 0, "ids": ids[:CTX], "decode": DECODE},
+             {"op": "generate", "conv": 1, "ids": ids[:CTX], "decode": DECODE},
+             {"op": "close", "conv": 0}]
+    trim = [{"op": "shrink", "target": 0}, {"op": "grow", "target": 1 << 20}]
+    goon = [{"op": "generate", "conv": 1, "ids": ids[CTX:], "decode": 8}]
+    runs = []
+    for name, steps in (("plain", start + goon), ("trim", start + trim + goon)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "script.json").write_text(json.dumps({"policy": "error", "horizon": 1024, "threads": 1, "steps": steps}))
+        p = subprocess.run([str(exe), "--ladder", str(fixtures), str(d / "script.json"), str(d / "out.json")],
+                           capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs.append(json.loads((d / "out.json").read_text())["steps"])
+    plain, got = runs
+    closed, shrunk = got[4], got[5]
+    assert closed["used"] >= 2  # the second conversation's blocks of group 0, all above the first's
+    assert shrunk["moved_blocks"] == closed["used"] and shrunk["usable_after"] == closed["used"]
+    assert shrunk["usable_before"] > shrunk["usable_after"] and shrunk["released_bytes"] > 0
+    assert shrunk["kinds"] == closed["kinds"] and shrunk["free"] == 0
+    assert got[-1]["tokens"] == plain[-1]["tokens"] and got[-1]["used"] == plain[-1]["used"]

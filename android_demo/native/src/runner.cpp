@@ -677,6 +677,19 @@ std::vector<float> Runner::Impl::step(Conv& c, const std::vector<int32_t>& toks)
   }
   pool->commit(c.seq, T);  // a sliding group hands back the blocks that left its window
   ran_step = true;
+  if (codes_offset.empty() && per_layer_arenas()) {  // where the plan put each layer's codes (touch_blocks)
+    std::vector<LayerPool> v;
+    if (pool_views(&v))
+      for (int l = 0; l < num_layers; ++l) {
+        const Arena& a = *arenas[static_cast<size_t>(l) + 1];
+        const size_t off = static_cast<size_t>(v[static_cast<size_t>(l)].codes - a.ptr);
+        if (v[static_cast<size_t>(l)].codes < a.ptr || off + static_cast<size_t>(codes_bytes_of_layer(l)) > a.size) {
+          codes_offset.clear();  // not in its own arena: keep the old assumption
+          break;
+        }
+        codes_offset.push_back(off);
+      }
+  }
   c.history.insert(c.history.end(), toks.begin(), toks.end());
   const auto& out = res.get()[0].toTensor();
   const int V = static_cast<int>(out.size(out.dim() - 1));

@@ -67,6 +67,11 @@ struct LadderStats {
   int64_t restores_from_spill = 0;  // a spilled conversation mapped back without prefill
   int64_t spill_reprefills = 0;   // a spill file was unreadable (or its compact blocks found no room); prefilled again
   int spilled_now = 0;            // conversations whose cache lies in a spill file now
+  // compactions / compacted_blocks count the compact rung only, not a direct Runner::compact (the app's
+  // trim): these are the rungs the policy took, named and counted as runtime_sim's Engine counts them
+  // (its direct runtime_sim.compact.compact_aged is not counted either), and tests/test_runner_ladder.py
+  // compares them one for one after scripts that mix both. Runner::compact returns the blocks it moved;
+  // compact_blocks_in_use counts every compact block held, however it got there.
   int64_t compactions = 0;        // one conversation's aged blocks re-quantized into the compact region
   int64_t compacted_blocks = 0;   // blocks those compactions moved (each freed one default block)
   int compact_blocks_in_use = 0;  // compact blocks held now
@@ -131,7 +136,9 @@ struct MemoryUse {
 struct ShrinkResult {
   int requested_blocks = 0;   // the target usable count asked for
   int usable_before = 0, usable_after = 0;
-  int blocked_by_used = 0;    // used blocks at or above the target (they kept the limit higher)
+  int moved_blocks = 0;       // used blocks moved from at or above the target into free blocks below it
+  int blocked_by_used = 0;    // used blocks still at or above the target after the moves (more blocks are in
+                              // use than the target): they kept the limit higher
   int64_t released_bytes = 0; // pages returned to the OS (madvise)
 };
 
@@ -186,7 +193,11 @@ class Runner {
   std::string render_chat(int conv, const std::string& user_text) const;
   void cancel() { cancel_.store(true); }  // stops the running generate after its current step
 
-  ShrinkResult shrink(int target_usable_blocks);  // lower the limit, release free blocks' pages
+  // Lower the limit of group 0 (the global layers) towards target_usable_blocks and release the pages of
+  // the blocks above it. Used blocks at or above the target are moved first into free blocks below it
+  // (their records copied, every block table naming the new id), so the limit reaches the target, or the
+  // number of blocks in use when more are in use; conversations go on with the same tokens.
+  ShrinkResult shrink(int target_usable_blocks);
   int grow(int target_usable_blocks);             // raise it again (re-commits pages); returns the limit
   PoolStats stats() const;
   MemoryUse memory_use() const;  // any thread; the arenas do not move after construction

@@ -69,6 +69,8 @@ struct Runner::Impl {
   bool has_logits_rows = false;  // the program's last input selects the rows of the logits
   int manifest_logits_rows = -1;  // the manifest's .pte inputs end with logits_rows (1), do not (0), unlisted (-1)
   bool ran_step = false;  // this runner's program has run: the kernels' pool views can be its own
+  std::vector<size_t> codes_offset;  // per layer (per-layer arenas): its codes tensor's offset in its arena, as the
+                                     // memory plan put it (learned from the pool views at the first step; empty before)
   // the compact region (the compact tier, issue 25): the manifest's pool.compact / num_compact_blocks /
   // compact_*_shape, and the .pte's compact_codes_L / compact_scales_L inputs of the global group's layers
   // (after the block tables, before logits_rows, in the order the manifest's input names give). The
@@ -214,9 +216,10 @@ struct Runner::Impl {
   RunnerError exhausted(size_t g, int need, int free, size_t n_tokens, const char* what) const;
   void make_room(Conv& a, int n_new, int chunk, bool slide, const char* what);
 
-  // runner_trim.cpp: the pool's committed pages (budget, shrink, grow)
+  // runner_trim.cpp: the pool's committed pages (budget, shrink and its block moves, grow)
   int64_t committed_bytes() const;
   int64_t touch_blocks(int lo, int hi, bool commit);
+  int pack_below(int target);
 };
 
 }  // namespace pagedkv_rt

@@ -167,6 +167,14 @@ static int ladder_tool(char** argv) {
         res = "\"moved\": [";
         for (size_t i = 0; i < moved.size(); ++i) res += (i ? "," : "") + std::to_string(std::get<0>(moved[i]));
         res += "]";
+      } else if (op == "shrink") {  // onTrimMemory: Runner::shrink, then the pool's committed bytes
+        const ShrinkResult sr = r.shrink(static_cast<int>(st["target"].as_int()));
+        res = "\"usable_before\": " + std::to_string(sr.usable_before) + ", \"usable_after\": " +
+              std::to_string(sr.usable_after) + ", \"moved_blocks\": " + std::to_string(sr.moved_blocks) +
+              ", \"blocked_by_used\": " + std::to_string(sr.blocked_by_used) + ", \"released_bytes\": " +
+              std::to_string(sr.released_bytes) + ", \"committed_bytes\": " + std::to_string(r.stats().committed_bytes);
+      } else if (op == "grow") {
+        res = "\"usable\": " + std::to_string(r.grow(static_cast<int>(st["target"].as_int())));
       } else if (op == "close") {
         const int id = static_cast<int>(st["conv"].as_int());
         r.close(id);

@@ -360,9 +360,9 @@ fun compactTrimTests(fixtures: File) {
     // Runner::compact called directly is not a ladder rung (compactions/compacted_blocks count the rungs a turn
     // takes); the compact blocks the conversation holds are the ones trim moved.
     val moved = s.compactBlocksInUse
-    // The shrink lowers the limit only down to the highest used block: the default blocks compaction freed are
-    // the oldest (low ids), so their pages stay committed below the limit; the next turns reuse them first.
-    check(moved > 0 && s.usedBlocks == before.usedBlocks - moved && s.usableBlocks <= before.usedBlocks &&
+    // The default blocks compaction freed are the oldest (low ids): the shrink moves the used blocks above
+    // them down into them, so the limit falls to the blocks in use and the pages above it are released.
+    check(moved > 0 && s.usedBlocks == before.usedBlocks - moved && s.usableBlocks == s.usedBlocks &&
         a.status.startsWith("trim level 40: $moved aged block(s) compacted"),
         "trim compacts aged blocks, then shrinks ($moved moved, used ${before.usedBlocks} -> ${s.usedBlocks}, " +
             "usable ${s.usableBlocks}: ${a.status})")
