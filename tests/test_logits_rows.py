@@ -8,7 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from export.artifacts import PoolRequest, export_artifacts
+from runtime_sim.backends import TorchBackend
 from runtime_sim.session import open_artifacts
+from toolkit.compiler import compile
 from tests.helpers import hf_greedy
 from toolkit.cli import app
 from toolkit.tiny_models import tiny_model
@@ -23,53 +25,50 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory):
-    """The tiny llama (fp32 pool) exported twice: every row per call (the default) and one row per call."""
-    out = {}
-    for rows in (None, 1):
-        d = tmp_path_factory.mktemp(f"rows-{rows}")
-        m = export_artifacts("tiny-llama", d, ("pte",), "fp32", PoolRequest(pool_tokens=256, max_seqs=2),
-                             max_tokens_per_call=CHUNK, max_logits_rows=rows, model_and_tokenizer=(model(), None))
-        out[rows] = (d, m["artifacts"]["pte"])
-    return out
+def one_row(tmp_path_factory):
+    """The tiny llama (fp32 pool) exported with one logits row per call: (dir, manifest)."""
+    d = tmp_path_factory.mktemp("rows-1")
+    m = export_artifacts("tiny-llama", d, ("pte",), "fp32", PoolRequest(pool_tokens=256, max_seqs=2),
+                         max_tokens_per_call=CHUNK, max_logits_rows=1, model_and_tokenizer=(model(), None))
+    return d, m
 
 
-def test_manifest_and_arena(exports):
-    """The manifest names the bound; the all-rows arena holds [CHUNK, vocab] fp32 logits, the one-row arena
-    does not (at this vocabulary they would be more than half of it)."""
-    (_, full), (_, one) = exports[None], exports[1]
-    assert full["max_logits_rows"] == CHUNK and one["max_logits_rows"] == 1
-    logits = CHUNK * VOCAB * 4
-    assert full["arena_bytes"][0] >= logits and one["arena_bytes"][0] < logits // 2
-    assert full["arena_bytes"][1:] == one["arena_bytes"][1:]  # the pools' arenas are the same
+def test_manifest_and_arena(one_row):
+    """The manifest names the bound, and the activation arena is planned for one row: [CHUNK, vocab] fp32
+    logits would take more than twice what it holds (an export planned for them: 1,081,408 B here)."""
+    entry = one_row[1]["artifacts"]["pte"]
+    assert entry["max_logits_rows"] == 1
+    assert entry["arena_bytes"][0] < CHUNK * VOCAB * 4 // 2
 
 
-def test_one_row_program_greedy_equals_hf(exports):
-    d, _ = exports[1]
+def test_one_row_program_greedy_equals_hf(one_row):
+    d, _ = one_row
     engine = open_artifacts(d, "executorch", prefill_chunk=16)
     assert engine.backend.max_rows == 1
     got = list(engine.generate(engine.new_conversation(), PROMPT, 24))
     assert got == hf_greedy(model(), PROMPT, 24)
 
 
-def test_split_call_gives_every_row(exports):
+def test_split_call_gives_every_row(one_row):
     """A call asking every row (eval) on the one-row program is split into one-token calls: the same
-    rows as the all-rows program computes in one call, in the order asked, and the pool holds the same
-    tokens afterwards (the next step's logits agree too)."""
-    engines = {r: open_artifacts(exports[r][0], "executorch") for r in (None, 1)}
+    rows as the PyTorch model compiled with the same pool computes in one call, in the order asked, and
+    the pool holds the same tokens afterwards (the next step's logits agree too)."""
+    pte = open_artifacts(one_row[0], "executorch").backend
+    lay = pte.layout
+    ref = TorchBackend(compile(model(), lay.spec, block_size=lay.block_size, num_blocks=lay.num_blocks,
+                               max_seqs=lay.max_seqs))
     ids = np.asarray(PROMPT[:20], np.int64)
     pos = np.arange(len(ids), dtype=np.int64)
     seq = np.zeros(len(ids), np.int64)
     table = np.full((2, 8), -1, np.int64)
     table[0, :2] = [0, 1]
     rows = np.array([19, 3, 7, 0, 7])
-    out = {r: e.backend.forward(ids, pos, seq, table, rows=rows) for r, e in engines.items()}
-    assert out[1].shape == out[None].shape == (len(rows), out[None].shape[1])
-    np.testing.assert_allclose(out[1], out[None], rtol=1e-4, atol=1e-4)
-    assert (out[1].argmax(-1) == out[None].argmax(-1)).all()
-    nxt = {r: e.backend.forward(np.array([PROMPT[20]]), np.array([20]), np.array([0]), table)
-           for r, e in engines.items()}
-    np.testing.assert_allclose(nxt[1], nxt[None], rtol=1e-4, atol=1e-4)
+    got, want = (b.forward(ids, pos, seq, table, rows=rows) for b in (pte, ref))
+    assert got.shape == want.shape == (len(rows), VOCAB)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    got, want = (b.forward(np.array([PROMPT[20]]), np.array([20]), np.array([0]), table) for b in (pte, ref))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", ["0", "33"])
