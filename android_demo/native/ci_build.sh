@@ -94,7 +94,10 @@ case "${1:-}" in
       grep -qx "active path: $want, threads [0-9]*" "$B/kernel_core_test.$cpu.log" \
         || { echo "kernel core: expected the $want path under -cpu $cpu" >&2; exit 1; }
       qemu-aarch64-static -cpu "$cpu" "$B/block_manager_test"
-      qemu-aarch64-static -cpu "$cpu" "$B/runner_test" "$2" --expect-isa "$want" --no-rss "${@:3}"
+      # the A53 runs the runner tests whose outcome depends on the kernel path (plain NEON's greedy tokens
+      # = HF's); the runner's logic is the same code under -cpu max, which runs them all
+      only=(); [ "$cpu" = cortex-a53 ] && only=(--only preallocates_every_arena,greedy_tokens_equal_hf)
+      qemu-aarch64-static -cpu "$cpu" "$B/runner_test" "$2" --expect-isa "$want" --no-rss "${only[@]}" "${@:3}"
     done
     ;;
   *)

@@ -1,5 +1,5 @@
 // Runner tests on a tiny exported model (fixtures made by tests/make_fixtures.py):
-//   runner_test FIXTURES_DIR [--expect-isa NAME] [--no-rss] [--tokens-out FILE]
+//   runner_test FIXTURES_DIR [--expect-isa NAME] [--no-rss] [--tokens-out FILE] [--only TEST,TEST...]
 // FIXTURES_DIR holds artifacts/ (model.pte, pagedkv.json, tokenizer.json) and expected.json (HF's
 // greedy tokens for each prompt, fp32 pool).
 #include <unistd.h>
@@ -223,14 +223,19 @@ int main(int argc, char** argv) {
   if (argc == 8 && std::string(argv[1]) == "--requantize") return requantize_tool(argv);
   if (argc == 5 && std::string(argv[1]) == "--ladder") return ladder_tool(argv);
   if (argc < 2) {
-    std::fprintf(stderr, "usage: runner_test FIXTURES_DIR [--expect-isa NAME] [--no-rss] [--tokens-out FILE]\n");
+    std::fprintf(stderr, "usage: runner_test FIXTURES_DIR [--expect-isa NAME] [--no-rss] [--tokens-out FILE] "
+                 "[--only TEST,TEST...]\n");
     return 2;
   }
   g_fix = argv[1];
   g_art = g_fix + "/artifacts";
+  t::Summary s;
   for (int i = 2; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--expect-isa" && i + 1 < argc) g_expect_isa = argv[++i];
+    if (a == "--only" && i + 1 < argc) {
+      std::stringstream names(argv[++i]);
+      for (std::string n; std::getline(names, n, ',');) s.only.push_back(n);
+    } else if (a == "--expect-isa" && i + 1 < argc) g_expect_isa = argv[++i];
     else if (a == "--no-rss") g_rss = false;
     else if (a == "--tokens-out" && i + 1 < argc) g_tokens_out = argv[++i];
   }
@@ -242,7 +247,6 @@ int main(int argc, char** argv) {
     for (const Json& c : e["cases"].items())
       g_cases.push_back({c["prompt"].as_string(), ints(c["prompt_ids"]), ints(c["hf_greedy"])});
   }
-  t::Summary s;
   std::vector<std::vector<int32_t>> runner_tokens;
 
   s.run("preallocates_every_arena", [] {

@@ -1,6 +1,7 @@
 // A tiny test harness: CHECK records a failure and continues; run() prints PASS/FAIL per test.
 #pragma once
 
+#include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <functional>
@@ -32,8 +33,13 @@ inline int& current_failures() { static int f = 0; return f; }
   } while (0)
 
 struct Summary {
-  int passed = 0, failed = 0;
+  int passed = 0, failed = 0, skipped = 0;
+  std::vector<std::string> only;  // run only these tests (empty: all)
   void run(const std::string& name, const std::function<void()>& fn) {
+    if (!only.empty() && std::find(only.begin(), only.end(), name) == only.end()) {
+      ++skipped;
+      return;
+    }
     current_failures() = 0;
     try {
       fn();
@@ -51,6 +57,7 @@ struct Summary {
     std::fflush(stdout);
   }
   int finish() {
+    if (skipped) std::printf("(%d not selected by --only)\n", skipped);
     std::printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;
   }
