@@ -39,7 +39,9 @@ def expected(fixtures):
 
 
 def test_pool_arenas_hold_codes_at_offset_zero(fixtures):
-    """The runner releases free blocks' pages assuming each layer arena starts with its codes tensor."""
+    """Before its first step the runner commits a layer arena's blocks assuming the codes tensor starts the
+    arena (from the first step on it uses the offset the kernels report: a plan may put the stage rows
+    first, test_runner_ladder's trim test); on this fixture's plan the codes do start each arena."""
     from executorch.exir._serialize._program import deserialize_pte_binary
 
     manifest = json.loads((fixtures / "artifacts" / "pagedkv.json").read_text())
