@@ -78,3 +78,23 @@ def test_bad_max_logits_rows_is_one_line_exit_2(tmp_path, rows):
     assert r.exit_code == 2, r.output
     assert f"--max-logits-rows {rows}: give 1 .. 32" in r.output
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("bad", [0, "1", 1.5, True])
+def test_bad_manifest_max_logits_rows_is_refused(one_row, tmp_path, bad):
+    """A manifest whose max_logits_rows is not a positive integer is refused when the program is opened,
+    with one line naming the field; the artifacts dir is left as it was."""
+    import shutil
+
+    from toolkit.errors import ArtifactError
+    from toolkit.manifest import MANIFEST_NAME, read_manifest, write_manifest
+
+    art = tmp_path / "art"
+    shutil.copytree(one_row[0], art)
+    man = read_manifest(art)
+    man["artifacts"]["pte"]["max_logits_rows"] = bad
+    write_manifest(art, man)
+    before = (art / MANIFEST_NAME).read_bytes()
+    with pytest.raises(ArtifactError, match="max_logits_rows .* is not a positive integer"):
+        open_artifacts(art, "executorch")
+    assert (art / MANIFEST_NAME).read_bytes() == before
