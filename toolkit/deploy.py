@@ -72,6 +72,11 @@ def _safe_name(name: str, art: Path) -> str:
 def deploy_files(artifacts_dir: str | Path) -> list[Path]:
     """The files to push, in order: pagedkv.json, its .sha256, the .pte, the tokenizer files. Only files the
     manifest names, each a plain name inside the dir. Raises ArtifactError if any is missing or odd."""
+    return _checked_files(artifacts_dir)[1]
+
+
+def _checked_files(artifacts_dir: str | Path) -> tuple[dict, list[Path]]:
+    """(the manifest, deploy_files' list), the manifest read once."""
     art = Path(artifacts_dir)
     if not art.is_dir():
         raise ArtifactError(f"{art} is not a directory: pass the artifacts dir made by `pagedkv export --format pte`.")
@@ -97,7 +102,7 @@ def deploy_files(artifacts_dir: str | Path) -> list[Path]:
     if want and sha256_file(art / entry["file"]) != want:
         raise ArtifactError(f"{art / entry['file']} does not match the sha256 in its manifest (changed after "
                             "export?): re-run `pagedkv export --format pte`.")
-    return files
+    return manifest, files
 
 
 def logits_rows_hint(manifest: dict) -> str | None:
@@ -197,7 +202,7 @@ def deploy(artifacts_dir: str | Path, serial: str | None = None, adb: str = "adb
         raise PagedKVError(f"--serial {serial!r} is not a device serial: copy one from `adb devices`.")
     if not re.fullmatch(r"[A-Za-z][\w]*(\.[A-Za-z][\w]*)+", package):
         raise PagedKVError(f"package {package!r} is not an Android package name (like org.pagedkv.demo).")
-    files = deploy_files(artifacts_dir)  # check the artifacts before touching adb
+    manifest, files = _checked_files(artifacts_dir)  # check the artifacts before touching adb
     local_sha = {f.name: sha256_file(f) for f in files}
     names = [f.name for f in files]
     adb_path = find_adb(adb)
@@ -250,4 +255,4 @@ def deploy(artifacts_dir: str | Path, serial: str | None = None, adb: str = "adb
         _run(base + ["shell", shell_command("rm", "-rf", REMOTE_STAGING)], "removing the staging dir")
     app_dir = f"/data/data/{package}/{APP_MODEL_DIR}" if debuggable else remote_dir
     return {"serial": target, "mode": mode, "remote_dir": app_dir, "files": names, "bytes": total,
-            "hint": logits_rows_hint(read_manifest(Path(artifacts_dir)))}
+            "hint": logits_rows_hint(manifest)}

@@ -46,6 +46,16 @@ std::string read_text(const std::string& path, const char* what) {
   return ss.str();
 }
 
+// The JSON file at path (read_text's `what`), or a kArtifact RunnerError naming it
+Json read_json(const std::string& path, const char* what) {
+  const std::string text = read_text(path, what);
+  try {
+    return Json::parse(text);
+  } catch (const std::exception& e) {
+    throw RunnerError(ErrorCode::kArtifact, path + " is not valid JSON (" + e.what() + "): re-run `pagedkv export`.");
+  }
+}
+
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -116,15 +126,7 @@ void Runner::Impl::refresh_stats() {
 }
 
 void Runner::Impl::load_manifest(const std::string& dir) {
-  Json m;
-  try {
-    m = Json::parse(read_text(dir + "/pagedkv.json", "manifest"));
-  } catch (const RunnerError&) {
-    throw;
-  } catch (const std::exception& e) {
-    throw RunnerError(ErrorCode::kArtifact, dir + "/pagedkv.json is not valid: " + e.what() +
-                                                ". Re-run `pagedkv export`.");
-  }
+  const Json m = read_json(dir + "/pagedkv.json", "manifest");
   try {
     if (m["format_version"].as_int() != 1)
       throw RunnerError(ErrorCode::kArtifact, "pagedkv.json format_version " +
@@ -484,14 +486,7 @@ void Runner::Impl::allocate_compact(size_t alloc_index) {
 void Runner::Impl::load_chat_template(const std::string& dir) {
   Json cfg;
   if (listed("tokenizer_config.json")) {
-    try {
-      cfg = Json::parse(read_text(dir + "/tokenizer_config.json", "tokenizer config"));
-    } catch (const RunnerError&) {
-      throw;
-    } catch (const std::exception& e) {
-      throw RunnerError(ErrorCode::kArtifact, dir + "/tokenizer_config.json is not valid JSON (" + e.what() +
-                                                  "): re-run `pagedkv export`.");
-    }
+    cfg = read_json(dir + "/tokenizer_config.json", "tokenizer config");
     for (const char* k : {"bos_token", "eos_token", "unk_token", "pad_token"}) {
       const Json* v = cfg.find(k);
       if (v && v->is_object()) v = v->find("content");

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -398,6 +399,20 @@ int main(int argc, char** argv) {
     RunnerConfig missing = cfg();
     missing.artifacts_dir = g_fix + "/no-such-dir";
     CHECK(code_of([&] { Runner r(missing); }, &msg) == ErrorCode::kArtifact);
+    // a manifest or tokenizer config cut short: kArtifact naming the file
+    namespace fs = std::filesystem;
+    const fs::path copy = fs::temp_directory_path() / ("runner_test_json_" + std::to_string(getpid()));
+    for (const char* name : {"pagedkv.json", "tokenizer_config.json"}) {
+      fs::remove_all(copy);
+      fs::copy(g_art, copy, fs::copy_options::recursive);
+      CHECK(fs::exists(copy / name));
+      std::ofstream(copy / name, std::ios::trunc) << "{\"format_version\": 1,";
+      RunnerConfig cut = cfg();
+      cut.artifacts_dir = copy.string();
+      CHECK(code_of([&] { Runner r(cut); }, &msg) == ErrorCode::kArtifact);
+      CHECK(msg.find(name) != std::string::npos && msg.find("not valid JSON") != std::string::npos);
+    }
+    fs::remove_all(copy);
     Runner r(cfg());  // still fine after the failures
     int a = r.new_conversation();
     CHECK(code_of([&] { r.generate(a, {}, 4, Sampling{}, nullptr); }) == ErrorCode::kArgument);
