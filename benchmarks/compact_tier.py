@@ -61,6 +61,8 @@ ATTN_NAME = "pagedkv_compact_tier_bench"
 CANDIDATES: dict[str, str] = {
     "k4v2": "default:k_bits=4,k_group=64,k_sym=true,v_bits=2,v_group=32,v_sym=false",
     "k4v2-g64": "default:k_bits=4,k_group=64,k_sym=true,v_bits=2,v_group=64,v_sym=false",
+    "k4v2-g128": "default:k_bits=4,k_group=128,k_sym=true,v_bits=2,v_group=128,v_sym=false",  # head_dim >= 128
+    "k4v2-g256": "default:k_bits=4,k_group=256,k_sym=true,v_bits=2,v_group=256,v_sym=false",  # head_dim 256 (Gemma)
     "k3v3": "default:k_bits=3,k_group=64,k_sym=true,v_bits=3,v_group=32,v_sym=false",
     "k3v3-g64": "default:k_bits=3,k_group=64,k_sym=true,v_bits=3,v_group=64,v_sym=false",
     "k4v3": "default:k_bits=4,k_group=64,k_sym=true,v_bits=3,v_group=64,v_sym=false",
