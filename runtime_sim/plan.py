@@ -303,7 +303,14 @@ def plan(config_or_dims=None, ram_bytes: int = 4 * 2**30, specs=None, block_size
     }
 
 
-def rich_table(result: dict):
+# rich_table(wide=False) leaves these out (bytes per token and the allocation detail), for terminals
+# narrower than the full table
+DETAIL_COLUMNS = ("B/token", "stage/seq", "allocations", "per layer: codes / scales / stage", "largest alloc")
+WIDE_TABLE_COLUMNS = 170  # terminal columns the full table needs (Gemma 3 270M's, the widest built-in)
+
+
+def rich_table(result: dict, wide: bool = True):
+    """The plan as a rich Table; wide=False leaves out DETAIL_COLUMNS (--json has everything)."""
     from rich.table import Table
 
     d = result["dims"]
@@ -318,12 +325,16 @@ def rich_table(result: dict):
             "allocations", "per layer: codes / scales / stage", "largest alloc"]
     if grouped:  # a model with sliding layers: tokens that fit with one pool per layer group
         cols.insert(6, "tokens fit (groups)")
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("cache", "spec") else "right")
+    keep = [i for i, col in enumerate(cols) if wide or col not in DETAIL_COLUMNS]
+    for i in keep:
+        name = cols[i]  # the name columns never shrink below their longest word
+        table.add_column(name, justify="left" if name in ("cache", "spec") else "right",
+                         min_width={"cache": 10, "spec": 9}.get(name))
     shape = "x".join(str(s) for s in c["buffer_shape"])
     row = ["contiguous", "fp16", str(c["bytes_per_token"]), "1.000x", "-", f"{c['tokens_fit']:,}", "1.00x",
            "1 per chat", f"[{shape}] fp16", format_bytes(c["largest_allocation_bytes"])]
-    table.add_row(*(row[:6] + ["-"] + row[6:] if grouped else row))
+    row = row[:6] + ["-"] + row[6:] if grouped else row
+    table.add_row(*(row[i] for i in keep))
     for r in result["specs"]:
         per = r["allocations_per_layer"]
         row = [
@@ -338,12 +349,12 @@ def rich_table(result: dict):
             g = r.get("grouped") or {}
             fit = g.get("tokens_fit", r["tokens_fit"])
             row.insert(6, "unbounded" if fit is None else f"{fit:,}")
-        table.add_row(*row)
+        table.add_row(*(row[i] for i in keep))
     return table
 
 
 __all__ = [
-    "DEFAULT_CTX", "DEFAULT_SPECS", "KNOWN_DIMS", "KNOWN_WINDOWS", "as_dims", "grouped_fit", "load_windows", "blocks_for_budget", "contiguous_buffer_bytes",
+    "DEFAULT_CTX", "DEFAULT_SPECS", "DETAIL_COLUMNS", "WIDE_TABLE_COLUMNS", "KNOWN_DIMS", "KNOWN_WINDOWS", "as_dims", "grouped_fit", "load_windows", "blocks_for_budget", "contiguous_buffer_bytes",
     "format_bytes", "load_dims", "parse_size", "plan", "pool_fixed_bytes", "pool_layout", "rich_table",
 ]
 

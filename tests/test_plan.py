@@ -259,3 +259,27 @@ def test_toolkit_imports_nothing_above_it():
                 [a.name for a in node.names] if isinstance(node, ast.Import) else [])
             upward += [f"{path.name}:{node.lineno} {n}" for n in names if n.split(".")[0] in ("export", "runtime_sim")]
     assert upward == [], f"toolkit imports upward: {upward}"
+
+
+@pytest.mark.parametrize("columns", [80, 200])
+def test_plan_table_fits_the_terminal(columns):
+    """`pagedkv plan` in an 80-column terminal keeps the token columns whole and leaves out the allocation
+    detail and bytes per token (saying so); a wide one shows every column. No cell is cut to an ellipsis in either."""
+    import os
+    import subprocess
+    import sys
+
+    from runtime_sim.plan import DETAIL_COLUMNS, parse_size, plan
+
+    out = subprocess.run([sys.executable, "-m", "toolkit.cli", "plan", "gemma3-270m", "--ram", "2GiB"],
+                         capture_output=True, text=True, check=True, env={**os.environ, "COLUMNS": str(columns)}).stdout
+    rows = [ln for ln in out.splitlines() if ln.startswith("│ paged") or ln.startswith("│ contiguous")]
+    assert len(rows) >= 7 and all("…" not in ln for ln in rows), out
+    default = next(r for r in plan("gemma3-270m", parse_size("2GiB"))["specs"] if r["name"] == "default")
+    row = next(ln for ln in rows if "│ default " in ln)  # tokens that fit without and with layer groups
+    assert f"{default['tokens_fit']:,}" in row and f"{default['grouped']['tokens_fit']:,}" in row, row
+    if columns == 80:
+        assert "allocation columns hidden" in out and "largest alloc" not in out
+    else:
+        assert all(col in out for col in DETAIL_COLUMNS if col != "per layer: codes / scales / stage")
+        assert "hidden" not in out

@@ -456,7 +456,7 @@ def plan_cmd(
     check_number("--ctx", ctx, 1, 1 << 24)
     import json
 
-    from runtime_sim.plan import parse_size, plan as make_plan, rich_table
+    from runtime_sim.plan import WIDE_TABLE_COLUMNS, parse_size, plan as make_plan, rich_table
 
     result = make_plan(model, parse_size(ram), list(spec or []) or None, block_size, max_seqs, ctx, model_name=model)
     if artifacts is not None:
@@ -467,7 +467,12 @@ def plan_cmd(
     if as_json:
         print(json.dumps(result))
     else:
-        Console().print(rich_table(result))
+        out = Console()
+        wide = out.width >= WIDE_TABLE_COLUMNS
+        out.print(rich_table(result, wide=wide))
+        if not wide:
+            out.print(f"[dim](B/token and allocation columns hidden at {out.width} columns: a terminal of "
+                      f"{WIDE_TABLE_COLUMNS} or --json shows them)[/]")
         if artifacts is not None:
             print_process_estimate(result["process"], Console())
 
