@@ -4,8 +4,8 @@
 // replace a member: the NEON dotprod path has its own integer K scores).
 //
 // The fused path, per run of up to kRunKeys (64) keys of consecutive quantized blocks:
-//   scores (scores_tile): per key pair and tile of <= 4 query heads, fp32 FMAs of q with the codes
-//     converted 16 dims at a time (one conversion serves all heads of the tile), reduced per K group
+//   scores (scores_tile): per 4 keys (tiles of <= 3 query heads) or key pair (4 heads), fp32 FMAs of q
+//     with the codes converted 16 dims at a time (one conversion serves all heads of the tile), reduced per K group
 //     and scaled: score = scale * sum_groups (s * dot(q, u - c) [+ z' * sum(q)]). The next run's records
 //     are prefetched a few lines per key pair, the first line of each block of the run after it earlier.
 //   softmax (row_max / row_exp / rows_above): a row of the run's scores at a time, lanes past n masked,
@@ -140,11 +140,61 @@ __attribute__((always_inline)) inline void scores_keys(const QuantRun& r, int ng
   }
 }
 
+// Scores of keys i..i+3 for GN <= 3 query heads (scores_tile's main loop there): one accumulator per
+// (key, head), the codes of one key at a time, and per head one hsum4 over the 4 keys, whose lanes are
+// the head's 4 consecutive scores. Per key this halves scores_keys' epilogue (horizontal sums, scalar
+// stores) and its register pressure (12 accumulators, 2 code vectors, no spill on AVX2's 16 registers).
+// Each (key, head) sum takes the same operations in the same order as in scores_keys with one chain.
+template <class V, int BITS, bool SYM, int GN>
+__attribute__((always_inline)) inline void scores_keys4(const QuantRun& r, int ngk, int i, const float* q,
+                                                        const float* qsum, float scale, float* sc, int ldsc) {
+  static_assert(GN <= 3, "4 keys x 4 heads would need 16 accumulators");
+  using F = typename V::F;
+  using F4 = typename V::F4;
+  constexpr int P = 16 / V::N;
+  constexpr bool CEN = SYM || V::kCentredAsym;
+  const int D = r.D, kg = r.k_group;
+  const uint8_t* const c[4] = {r.rec(i), r.rec(i + 1), r.rec(i + 2), r.rec(i + 3)};
+  const float* const m = r.metaf + (size_t)i * r.Ws;  // key k's float scales at m + k * Ws
+  F4 tot[GN];  // lanes: keys i..i+3
+  for (int g = 0; g < GN; ++g) tot[g] = V::f4_zero();
+  for (int gi = 0; gi < ngk; ++gi) {
+    F a[4][GN];
+    for (int k = 0; k < 4; ++k)
+      for (int g = 0; g < GN; ++g) a[k][g] = V::zero();
+    for (int j = gi * kg; j < (gi + 1) * kg; j += 16)
+      for (int k = 0; k < 4; ++k) {
+        F x[P];
+        V::template codes16<BITS, CEN>(c[k], j, x);
+        for (int g = 0; g < GN; ++g)
+          for (int v = 0; v < P; ++v) a[k][g] = V::fma(V::load(q + (size_t)g * D + j + v * V::N), x[v], a[k][g]);
+      }
+    alignas(16) float s4[4], z4[4];
+    for (int k = 0; k < 4; ++k) {
+      s4[k] = m[(size_t)k * r.Ws + gi];
+      if (!SYM) z4[k] = m[(size_t)k * r.Ws + ngk + gi] + (CEN ? (float)r.k_mid * s4[k] : 0.f);
+    }
+    const F4 sv = V::f4_load(s4);
+    for (int g = 0; g < GN; ++g) {
+      tot[g] = V::f4_fmav(V::hsum4(a[0][g], a[1][g], a[2][g], a[3][g]), sv, tot[g]);
+      if (!SYM) tot[g] = V::f4_fma(V::f4_load(z4), qsum[(size_t)g * ngk + gi], tot[g]);
+    }
+  }
+  for (int g = 0; g < GN; ++g) V::f4_store(sc + (size_t)g * ldsc + i, V::f4_mul(tot[g], scale));
+}
+
 template <class V, int BITS, bool SYM, int GN>
 void scores_tile(const QuantRun& r, const float* q, const float* qsum, float scale, float* sc, int ldsc, bool pf) {
   Prefetcher<V> pre(r, pf);
   const int ngk = r.D / r.k_group;
   int i = 0;
+  if constexpr (GN <= 3) {
+    for (; i + 4 <= r.n; i += 4) {
+      pre.step();
+      pre.step();
+      scores_keys4<V, BITS, SYM, GN>(r, ngk, i, q, qsum, scale, sc, ldsc);
+    }
+  }
   for (; i + 2 <= r.n; i += 2) {
     pre.step();
     scores_keys<V, BITS, SYM, GN, 2>(r, ngk, r.rec(i), r.rec(i + 1), r.metaf + (size_t)i * r.Ws, q, qsum, scale, sc,
@@ -181,9 +231,12 @@ void vacc_tile(const QuantRun& r, const float* p, int ldp, float* acc) {
   float zt[32 * 4];                              // [group][head]: sum_i p z'
   for (int k = 0; k < ngv; ++k) {
     const float* mk = r.metaf + r.ksc + k;
-    for (int i = 0; i < nv; ++i) sv[i] = i < n ? mk[(size_t)i * r.Ws] : 0.f;
-    if (!SYM)  // z + c s: c s is exact, one rounding of a value near the group's mid-range
-      for (int i = 0; i < nv; ++i) zv[i] = i < n ? mk[(size_t)i * r.Ws + ngv] + (CEN ? (float)r.v_mid * sv[i] : 0.f) : 0.f;
+    for (int i = 0; i < n; ++i) sv[i] = mk[(size_t)i * r.Ws];
+    for (int i = n; i < nv; ++i) sv[i] = 0.f;
+    if (!SYM) {  // z + c s: c s is exact, one rounding of a value near the group's mid-range
+      for (int i = 0; i < n; ++i) zv[i] = mk[(size_t)i * r.Ws + ngv] + (CEN ? (float)r.v_mid * sv[i] : 0.f);
+      for (int i = n; i < nv; ++i) zv[i] = 0.f;
+    }
     for (int g = 0; g < GN; ++g) {
       const float* pg = p + (size_t)g * ldp;
       float* cf = coef + ((size_t)k * 4 + g) * NK;

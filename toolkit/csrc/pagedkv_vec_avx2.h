@@ -3,8 +3,9 @@
 // hence the unnamed namespace: no other translation unit can get this code.
 //
 // What a wrapper provides (pagedkv_vec_neon.h is the other one):
-//   F (N floats), M (a lane mask), F4 (4 floats: one value per query head of a tile)
-//   arithmetic: zero, set1, bcast, load, store, add, sub, mul, max, fma(a, b, c) = a * b + c
+//   F (N floats), M (a lane mask), F4 (4 floats: one value per query head of a tile, or per key of 4)
+//   arithmetic: zero, set1, bcast, load, store, add, sub, mul, max, fma(a, b, c) = a * b + c; on F4:
+//     f4_zero, f4_load, f4_store, f4_fma (a * scalar + c), f4_fmav (a * b + c), f4_mul (by a scalar)
 //   reductions: hsum, hmax, hsum4 (4 vectors -> their 4 sums as an F4)
 //   softmax: exp (x <= 0, ExpConsts), live(i, n) (lanes i + lane < n), select, keep, gt_or_nan, any
 //   conversions: load_f16 (N fp16 -> F), load_u8 (N unsigned codes -> F, not centred)
@@ -67,6 +68,7 @@ struct VecAvx2 {
   static void f4_store(float* p, F4 x) { _mm_storeu_ps(p, x); }
   static F4 f4_fma(F4 a, float s, F4 c) { return _mm_fmadd_ps(a, _mm_set1_ps(s), c); }  // a * s + c
   static F4 f4_mul(F4 a, float s) { return _mm_mul_ps(a, _mm_set1_ps(s)); }
+  static F4 f4_fmav(F4 a, F4 b, F4 c) { return _mm_fmadd_ps(a, b, c); }  // a * b + c
 
   // exp for the softmax only (ExpConsts); x <= 0 here. Below ExpConsts::kMin the result is 0.
   static F exp(F x) {

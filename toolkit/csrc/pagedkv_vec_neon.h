@@ -47,6 +47,7 @@ struct VecNeon {
   static void f4_store(float* p, F4 x) { vst1q_f32(p, x); }
   static F4 f4_fma(F4 a, float s, F4 c) { return vfmaq_n_f32(c, a, s); }  // a * s + c
   static F4 f4_mul(F4 a, float s) { return vmulq_n_f32(a, s); }
+  static F4 f4_fmav(F4 a, F4 b, F4 c) { return vfmaq_f32(c, a, b); }  // a * b + c
 
   // exp for the softmax only (ExpConsts); x <= 0 here. Below ExpConsts::kMin the result is 0.
   static F exp(F x) {
