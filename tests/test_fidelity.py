@@ -27,7 +27,11 @@ def result():
 
 def test_native_kernel_gives_the_reference_numbers(result):
     """`pagedkv eval` runs the op on the C++ core (kernel="native", the default): the same numbers as
-    the plain-PyTorch reference to 1e-4 (relative), on the same windows and specs."""
+    the plain-PyTorch reference, on the same windows and specs: PPL to 1e-4 (relative), KLD to 1%.
+    The two quantize K/V with their own float arithmetic (C++ against torch's matmuls, whose rounding
+    depends on the CPU), so a value on a rounding boundary can get another code: on an AMD EPYC one such
+    flip moved the default row's KLD by 0.17% (every native ISA path agreed with each other). A wrong
+    spec, group or bit width moves it by far more: the quantized rows' KLDs differ by at least 3x."""
     torch.manual_seed(0)
     ids = torch.randint(3, 512, (2 * 48 + 5,))
     specs = ["fp16", "default", "q8_0-q4_0", "default:v_group=16,sink_blocks=0"]
@@ -36,8 +40,10 @@ def test_native_kernel_gives_the_reference_numbers(result):
     for want, got in zip(ref["results"], result["results"]):
         assert want["spec"] == got["spec"]
         assert got["ppl"] == pytest.approx(want["ppl"], rel=1e-4)
-        assert got["kld_mean"] == pytest.approx(want["kld_mean"], rel=1e-3, abs=1e-7)
+        assert got["kld_mean"] == pytest.approx(want["kld_mean"], rel=1e-2, abs=1e-7)
         assert abs(got["top1_agreement"] - want["top1_agreement"]) <= 1 / 94  # at most one flipped argmax
+    klds = sorted(r["kld_mean"] for r in ref["results"] if r["spec"] not in ("fp32", "fp16"))
+    assert all(b > 3 * a for a, b in zip(klds, klds[1:]))  # the 1% above tells the specs apart
     with pytest.raises(PagedKVError, match="kernel='fast'"):
         evaluate_ids(tiny_model("llama"), ids, ctx=48, specs=specs, windows=1, progress=False, kernel="fast")
 
