@@ -29,8 +29,8 @@ def test_native_kernel_gives_the_reference_numbers(result):
     """`pagedkv eval` runs the op on the C++ core (kernel="native", the default): the same numbers as
     the plain-PyTorch reference, on the same windows and specs: PPL to 1e-4 (relative), KLD to 1%.
     The two quantize K/V with their own float arithmetic (C++ against torch's matmuls, whose rounding
-    depends on the CPU), so a value on a rounding boundary can get another code: on an AMD EPYC one such
-    flip moved the default row's KLD by 0.17% (every native ISA path agreed with each other). A wrong
+    depends on the CPU), so a value on a rounding boundary can get another code: on an AMD EPYC that
+    moved the default row's KLD by 0.17% (every native ISA path agreed with each other). A wrong
     spec, group or bit width moves it by far more: the quantized rows' KLDs differ by at least 3x."""
     torch.manual_seed(0)
     ids = torch.randint(3, 512, (2 * 48 + 5,))
