@@ -17,12 +17,19 @@ from toolkit.tiny_models import tiny_model
 KEYS = {"spec", "bytes_per_token_vs_fp16", "ppl", "ppl_increase_pct", "kld_mean", "top1_agreement"}
 
 
+SPECS = ["fp16", "default", "q8_0-q4_0", "default:v_group=16,sink_blocks=0"]
+
+
+def eval_ids() -> torch.Tensor:
+    """The token ids the `result` rows are evaluated on (2 windows of 48, and 5 more)"""
+    torch.manual_seed(0)
+    return torch.randint(3, 512, (2 * 48 + 5,))
+
+
 @pytest.fixture(scope="module")
 def result():
-    torch.manual_seed(0)
-    ids = torch.randint(3, 512, (2 * 48 + 5,))
-    specs = ["fp16", "default", "q8_0-q4_0", "default:v_group=16,sink_blocks=0"]
-    return evaluate_ids(tiny_model("llama"), ids, ctx=48, specs=specs, windows=2, model_name="tiny", progress=False)
+    return evaluate_ids(tiny_model("llama"), eval_ids(), ctx=48, specs=SPECS, windows=2, model_name="tiny",
+                        progress=False)
 
 
 def test_native_kernel_gives_the_reference_numbers(result):
@@ -32,10 +39,8 @@ def test_native_kernel_gives_the_reference_numbers(result):
     depends on the CPU), so a value on a rounding boundary can get another code: on an AMD EPYC that
     moved the default row's KLD by 0.17% (every native ISA path agreed with each other). A wrong
     spec, group or bit width moves it by far more: the quantized rows' KLDs differ by at least 3x."""
-    torch.manual_seed(0)
-    ids = torch.randint(3, 512, (2 * 48 + 5,))
-    specs = ["fp16", "default", "q8_0-q4_0", "default:v_group=16,sink_blocks=0"]
-    ref = evaluate_ids(tiny_model("llama"), ids, ctx=48, specs=specs, windows=2, model_name="tiny", progress=False,
+    ids = eval_ids()
+    ref = evaluate_ids(tiny_model("llama"), ids, ctx=48, specs=SPECS, windows=2, model_name="tiny", progress=False,
                        kernel="reference")
     for want, got in zip(ref["results"], result["results"]):
         assert want["spec"] == got["spec"]
@@ -45,7 +50,7 @@ def test_native_kernel_gives_the_reference_numbers(result):
     klds = sorted(r["kld_mean"] for r in ref["results"] if r["spec"] not in ("fp32", "fp16"))
     assert all(b > 3 * a for a, b in zip(klds, klds[1:]))  # the 1% above tells the specs apart
     with pytest.raises(PagedKVError, match="kernel='fast'"):
-        evaluate_ids(tiny_model("llama"), ids, ctx=48, specs=specs, windows=1, progress=False, kernel="fast")
+        evaluate_ids(tiny_model("llama"), ids, ctx=48, specs=SPECS, windows=1, progress=False, kernel="fast")
 
 
 def test_shape(result):
