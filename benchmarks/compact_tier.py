@@ -18,6 +18,9 @@ within their window in the default spec and never compact, as in the engine). Ro
   position for --step N). Compact blocks are toolkit.quant.requantize of the default spec's records
   (dequantize-then-quantize: the fp values are gone); every other block reads as in `default`.
   One forward pass so measures a whole decode of ctx tokens.
+- with --sliding-spec S1 S2 ... (models with sliding layers): each candidate once per S, the sliding
+  layers' blocks in spec S instead of the conversation's (S = the conversation's own spec gives the plain
+  row): a spec per layer group, which the pool does not have yet; this measures whether one would pay.
 The attention is an emulation in this script (toolkit.quant's quantize/dequantize/requantize and
 Hadamard rotation; torch's fused CPU attention per key region, merged by log-sum-exp), checked at start
 on a short window against the paged ops: all-default against pagedkv::quantized_paged_attention, and the
@@ -34,6 +37,7 @@ KLD vs fp32. Writes benchmarks/results/compact_tier.json (after every row) and p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -84,6 +88,8 @@ class Row:
     name: str
     spec: KVQuantSpec | None  # the compact spec (None: fp32 / default rows, or a KIVI row's V spec below)
     kivi_k_bits: int = 0  # > 0: K per channel within a block (no pool format), V from spec
+    sliding: KVQuantSpec | None = None  # --sliding-spec: the sliding layers' spec in this row (None: default)
+    sliding_name: str = ""
 
     @property
     def compact(self) -> bool:
@@ -209,13 +215,15 @@ def emulated_attention(module, query, key, value, attention_mask, scaling=None, 
         out = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=keep, scale=scale,
                                                                enable_gqa=True)[0]
         return out.transpose(0, 1)[None].to(query.dtype), None
+    row = Mode.row
     spec, bs = Mode.default, Mode.block_size
+    if window and Mode.kind == "compact" and row.sliding is not None:  # a per-group spec (--sliding-spec)
+        spec = row.sliding
     if spec.rotate:
         q, k, v = hadamard(q), hadamard(k), hadamard(v)
     k16, v16 = k.half().float(), v.half().float()
     codes, scales = stored((k, v), spec, d)
     kd, vd = read_back(codes, scales, spec, d)
-    row = Mode.row
     compact = Mode.kind == "compact" and not window  # the compact tier is the global layers' only
     if compact:  # the compact tier: toolkit.quant.requantize of the stored records, read back
         ccodes, cscales = requantize(codes, scales, spec, row.spec, d)
@@ -412,6 +420,9 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", default=None, help="the conversation's spec (default: the model's default preset)")
     ap.add_argument("--candidates", nargs="+", default=list(CANDIDATES),
                     help=f"compact candidates: names ({', '.join(CANDIDATES)}) or spec text")
+    ap.add_argument("--sliding-spec", nargs="+", default=None, metavar="SPEC",
+                    help="measure each candidate once per SPEC, the sliding layers in that spec (a per-layer-group "
+                         "spec, emulated here only; default: the sliding layers keep the conversation's spec)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--step", type=int, default=1, help="tokens per engine step: blocks convert between steps (1)")
     ap.add_argument("--chunk", type=int, default=256, help="queries per attention chunk (memory)")
@@ -435,11 +446,19 @@ def main(argv=None) -> int:
     dims = model_dims(model.config)
     default = resolve_spec(args.spec or default_spec_name(model.config.model_type)).validate(dims.head_dim)
     rows = [Row("fp32", None), Row("default", None)] + [parse_candidate(c) for c in args.candidates]
+    if args.sliding_spec:
+        if not global_layers(model.config) or len(global_layers(model.config)) == dims.num_layers:
+            ap.error(f"--sliding-spec: {args.model} has no sliding layers")
+        rows = rows[:2] + [dataclasses.replace(r, name=f"{r.name} + sliding {s}", sliding=resolve_spec(s),
+                                               sliding_name=s) for r in rows[2:] for s in args.sliding_spec]
     for r in rows:
-        if r.spec is not None:
-            r.spec.validate(dims.head_dim)
-            if r.spec.rotate != default.rotate:
-                ap.error(f"candidate {r.name}: rotate={r.spec.rotate} differs from the conversation spec's")
+        for sp in (r.spec, r.sliding):
+            if sp is None:
+                continue
+            sp.validate(dims.head_dim)
+            if sp.rotate != default.rotate or sp.sink_blocks != default.sink_blocks or sp.fp_tail != default.fp_tail:
+                ap.error(f"row {r.name}: rotate/sink_blocks/fp_tail of {sp.describe()} differ from the conversation "
+                         f"spec's ({default.describe()})")
     ids = torch.tensor(tokenize(tokenizer, args.text.read_text(encoding="utf-8"))[:args.ctx], dtype=torch.int64)
     bos = tokenizer_bos(tokenizer)
     if bos is not None:
@@ -493,6 +512,10 @@ def main(argv=None) -> int:
         entry = {
             "candidate": r.name,
             "compact_spec": compact_label(r),
+            **({} if r.sliding is None else {
+                "sliding_spec": r.sliding_name, "sliding_spec_fields": r.sliding.__dict__,
+                "sliding_bytes_per_token_vs_fp16": round(bytes_per_token(r.sliding, dims.num_kv_heads, dims.head_dim)
+                                                         / fp16_bytes_per_token(dims.num_kv_heads, dims.head_dim), 4)}),
             "spec_fields": None if r.spec is None else r.spec.__dict__ | ({"kivi_k_bits": r.kivi_k_bits} if r.kivi_k_bits else {}),
             "bytes_per_token_vs_fp16": round(row_bytes_vs_fp16(r, default, dims.num_kv_heads, dims.head_dim,
                                                                dims.num_layers, args.block_size), 4),
