@@ -2,6 +2,7 @@
 
     python benchmarks/kernels_before_after.py --old BUILD_DIR --old-commit SHA --new BUILD_DIR --new-commit SHA
         [--isas avx512-vnni avx512] [--runs 4] [--add] [-- kernels.py arguments]
+    python benchmarks/kernels_before_after.py --pool FILE FILE ... --old-commit SHA --new-commit SHA --out OUT
 
 Each run is `python benchmarks/kernels.py ARGS --json TMP` with PAGEDKV_BUILD_DIR set to the old or the
 new build and PAGEDKV_ISA to one code path; per ISA the runs go old, new, old, new, ... so that a change
@@ -12,7 +13,13 @@ new / old of those medians; also new / old of each side's fastest run (a disturb
 on a loaded machine the fastest run is the closer estimate of the undisturbed step), and the median of the
 per-round ratios (each round's new run over its old run). --runs 0 --add
 recomputes the summary of --out. --add appends the runs to an existing --out (e.g. reruns of one noisy cell
-with narrower kernels.py arguments) and recomputes every cell over all its runs.
+with narrower kernels.py arguments) and recomputes every cell over all its runs. --pool FILE ... runs
+nothing: it writes to --out the summary over all the runs of earlier --out files (of the same two builds,
+e.g. several runs on different days), naming the files.
+
+Per cell the summary also has a bootstrap 95% interval of the paired median (2,000 resamples of the
+per-round ratios, seed 0). Give the same build as --old and --new (an A/A run) to see what this box's
+noise alone makes of a cell.
 
 --core times the core alone instead (pagedkv_core_bench of each build, via kernels.core_bench; PAGEDKV_ISA
 is its path argument): no onnxruntime host, the two builds back to back per cell, the order flipped every
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -95,26 +103,35 @@ def summarize(runs: list[dict]) -> list[dict]:
         if not ms["old"] or not ms["new"]:
             continue
         old, new = statistics.median(ms["old"]), statistics.median(ms["new"])
+        paired = [n / o for o, n in zip(ms["old"], ms["new"])]
         out.append(dict(isa=isa, dims=f"{hq}/{hkv}/{d}", ctx=ctx, threads=thr, impl=impl, runs_old=len(ms["old"]),
                         runs_new=len(ms["new"]), old_ms=round(old, 4), new_ms=round(new, 4),
                         new_over_old=round(new / old, 3), old_min_ms=min(ms["old"]), new_min_ms=min(ms["new"]),
                         min_new_over_min_old=round(min(ms["new"]) / min(ms["old"]), 3),
                         # the i-th new run against the i-th old run (the same round): a load change between
                         # rounds cancels
-                        paired_new_over_old=round(statistics.median(n / o for o, n in zip(ms["old"], ms["new"])), 3),
+                        paired_new_over_old=round(statistics.median(paired), 3),
+                        paired_ci95=bootstrap_ci(paired),
                         old_all=ms["old"], new_all=ms["new"]))
     return out
 
 
+def bootstrap_ci(xs: list[float], resamples: int = 2000, seed: int = 0) -> list[float]:
+    """A bootstrap 95% interval of the median of xs (resampled with replacement, seeded: reproducible)."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(resamples))
+    return [round(meds[int(0.025 * resamples)], 3), round(meds[int(0.975 * resamples) - 1], 3)]
+
+
 def table(summary: list[dict]) -> str:
     lines = ["| path | impl | dims q/kv/d | ctx | threads | before ms | after ms | after / before "
-             "| fastest runs: after / before | paired: median of after / before per round | runs |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| fastest runs: after / before | paired: median of after / before per round | its 95% interval | runs |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for c in summary:
         lines.append(f"| {c['isa']} | {c['impl']} | {c['dims']} | {c['ctx'] // 1024}K | {c['threads']} | "
                      f"{c['old_ms']:.3f} | "
                      f"{c['new_ms']:.3f} | {c['new_over_old']:.3f} | {c['min_new_over_min_old']:.3f} | "
-                     f"{c['paired_new_over_old']:.3f} | "
+                     f"{c['paired_new_over_old']:.3f} | {c['paired_ci95'][0]:.3f}-{c['paired_ci95'][1]:.3f} | "
                      f"{c['runs_old']}+{c['runs_new']} |")
     return "\n".join(lines)
 
@@ -124,8 +141,8 @@ def main(argv=None) -> int:
     kargs = argv[argv.index("--") + 1:] if "--" in argv else DEFAULT_ARGS
     argv = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--old", required=True, help="build dir of the before commit (libpagedkv_ort.so)")
-    ap.add_argument("--new", required=True, help="build dir of the after commit")
+    ap.add_argument("--old", help="build dir of the before commit (libpagedkv_ort.so)")
+    ap.add_argument("--new", help="build dir of the after commit")
     ap.add_argument("--old-commit", required=True)
     ap.add_argument("--new-commit", required=True)
     ap.add_argument("--isas", nargs="+", default=["avx512-vnni", "avx512"])
@@ -136,8 +153,14 @@ def main(argv=None) -> int:
     ap.add_argument("--new-first", action="store_true",
                     help="each round runs the new build before the old one (a check of order effects)")
     ap.add_argument("--add", action="store_true", help="append to --out's runs instead of starting anew")
+    ap.add_argument("--pool", nargs="+", type=Path, metavar="FILE",
+                    help="run nothing: the runs of these earlier --out files (same builds), summarized together")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "kernels_before_after.json")
     args = ap.parse_args(argv)
+    if args.pool:
+        return pool(args.pool, args.old_commit, args.new_commit, args.out)
+    if not (args.old and args.new):
+        ap.error("--old and --new (build dirs) are required unless --pool is given")
     for b in (args.old, args.new):
         need = "pagedkv_core_bench" if args.core else "libpagedkv_ort.so"
         if not (Path(b) / need).exists():
@@ -171,16 +194,45 @@ def main(argv=None) -> int:
     if not doc["runs"]:
         print(f"error: {args.out} holds no runs: give --runs N (with --add, an existing --out)", file=sys.stderr)
         return 2
+    return write(doc, args.out)
+
+
+def write(doc: dict, out: Path, keep_runs: bool = True) -> int:
+    """Summarize doc's runs into it, write it to out (without the runs: keep_runs=False) and print the
+    table."""
     doc["summary"] = summarize(doc["runs"])
     loads = [x for r in doc["runs"] for x in (r["load_before"][0], r["load_after"][0])]
     doc["load_1min_range"] = [min(loads), max(loads)]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc if keep_runs else {k: v for k, v in doc.items() if k != "runs"}, indent=1) + "\n")
     print(f"\n{doc['cpu']}, {doc['old_commit']} -> {doc['new_commit']}, load (1 min) "
           f"{min(loads):.1f}-{max(loads):.1f}\n")
     print(table(doc["summary"]))
-    print(f"\nwrote {args.out}")
+    print(f"\nwrote {out}")
     return 0
+
+
+def pool(files: list[Path], old_commit: str, new_commit: str, out: Path) -> int:
+    """--pool: the summary over the runs of earlier result files (each file's rounds stay paired); the
+    runs themselves stay in those files."""
+    docs = []
+    for f in files:
+        try:
+            docs.append(json.loads(f.read_text()))
+        except (OSError, ValueError) as e:
+            print(f"error: --pool {f} is not a result file of this script ({e}): pass its --out files",
+                  file=sys.stderr)
+            return 2
+    cpus = {d.get("cpu") for d in docs}
+    if len(cpus) != 1 or any("runs" not in d for d in docs):
+        print(f"error: --pool files must be runs of this script on one CPU (got {sorted(map(str, cpus))})",
+              file=sys.stderr)
+        return 2
+    doc = dict(cpu=cpus.pop(), old_commit=old_commit, new_commit=new_commit,
+               pooled_from=[dict(file=f.name, old_commit=d["old_commit"], new_commit=d["new_commit"],
+                                 runs=len(d["runs"])) for f, d in zip(files, docs)],
+               runs=[r for d in docs for r in d["runs"]])
+    return write(doc, out, keep_runs=False)
 
 
 if __name__ == "__main__":
