@@ -68,13 +68,15 @@ class PoolRequest:
 
         return compact_spec_for(spec, head_dim) if self.compact_blocks else None
 
-    def num_blocks(self, spec: KVQuantSpec, num_layers: int, kv_heads: int, head_dim: int) -> int:
+    def num_blocks(self, spec: KVQuantSpec, num_layers: int, kv_heads: int, head_dim: int, groups=None) -> int:
+        """The pool's block count (of the first layer group: with a model's groups, budget_groups, the
+        other groups' window blocks are part of a --pool-mb budget)."""
         self.check()
         if self.pool_mb is not None:  # the most blocks whose whole pool fits (toolkit.pool_layout.budget_blocks)
             shape = PoolLayout(spec, num_layers, kv_heads, head_dim, self.block_size, 1, self.max_seqs,
                                compact=self.compact_spec(spec, head_dim), num_compact_blocks=self.compact_blocks)
             return budget_blocks(shape, self.pool_mb * 2**20,
-                                 f"--pool-mb {self.pool_mb} (with {self.max_seqs} sequences)")
+                                 f"--pool-mb {self.pool_mb} (with {self.max_seqs} sequences)", groups)
         tokens = self.pool_tokens if self.pool_tokens is not None else 2048
         if tokens < 1:
             raise SpecError(f"--pool-tokens {tokens}: the pool needs at least one token.")
@@ -91,11 +93,20 @@ def model_default_spec(config, console: Console | None = None) -> KVQuantSpec:
     return resolve_spec(name).validate()
 
 
+def budget_groups(config, req: PoolRequest) -> list:
+    """The model's layer groups as a --pool-mb budget counts them: each sliding group with the window
+    blocks export gives it (compiler.sliding_pool_blocks), the first group's count left to the budget."""
+    from toolkit.compiler import layer_groups, sliding_pool_blocks
+
+    return layer_groups(config, MAX_POOL_TOKENS, sliding_pool_blocks(config, req.block_size, req.max_seqs))
+
+
 def make_layout(config, spec: KVQuantSpec, req: PoolRequest) -> PoolLayout:
     from toolkit.model_dims import model_dims
 
     d = model_dims(config)
-    nb = req.num_blocks(spec, d.num_layers, d.num_kv_heads, d.head_dim)
+    nb = req.num_blocks(spec, d.num_layers, d.num_kv_heads, d.head_dim,
+                        budget_groups(config, req) if req.pool_mb is not None else None)
     return PoolLayout(spec, d.num_layers, d.num_kv_heads, d.head_dim, req.block_size, nb, req.max_seqs,
                       compact=req.compact_spec(spec, d.head_dim), num_compact_blocks=req.compact_blocks)
 

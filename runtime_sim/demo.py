@@ -93,7 +93,7 @@ def main() -> int:
     engine = open_artifacts(ART_DIR, "onnxruntime")
     be = engine.backend
     out.print(f"[bold]backend[/]: onnxruntime ({'native kernel' if be.native else 'standard-op fallback'}), "
-              f"KV spec {be.layout.spec.describe()}, pool preallocated: {be.layout.total_bytes / 2**20:.1f} MiB "
+              f"KV spec {be.layout.spec.describe()}, pool preallocated: {engine.stats()['pool_bytes'] / 2**20:.1f} MiB "
               f"in {3 * be.layout.num_layers} allocations of at most {be.layout.largest_allocation_bytes / 2**20:.2f} MiB")
     chat = ChatSession(engine, system_prompt="You are a concise assistant.")
     for turn in TURNS:

@@ -24,7 +24,7 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
-from toolkit.block_pool import GroupedBlockPool, LayerGroup
+from toolkit.block_pool import GroupedBlockPool, LayerGroup, grouped_pool_bytes
 from toolkit.errors import PagedKVError, PoolExhausted
 from toolkit.pool_layout import PoolLayout
 
@@ -563,7 +563,7 @@ class Engine:
                            for g, p in zip(self.groups, self.pool.pools))
         s.update(
             kv_bytes_in_use=blocks_bytes + len(self.pool.live_sequences()) * lay.stage_bytes_per_sequence,
-            pool_bytes=lay.total_bytes,
+            pool_bytes=grouped_pool_bytes(lay, self.groups),
             prefill_tok_s=c.prefill_tokens / c.prefill_seconds if c.prefill_seconds else 0.0,
             decode_tok_s=c.decode_tokens / c.decode_seconds if c.decode_seconds else 0.0,
             ladder=dict(policy=self.policy, evictions=c.evictions, slides=c.slides, spills=c.spills,

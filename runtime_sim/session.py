@@ -42,9 +42,12 @@ def available_ram_bytes() -> int:
     raise PagedKVError("cannot read MemAvailable from /proc/meminfo: give --pool-mb instead of --pool-fraction.")
 
 
-def sized_layout(layout: PoolLayout, pool_mb: float | None, pool_fraction: float | None) -> PoolLayout:
+def sized_layout(layout: PoolLayout, pool_mb: float | None, pool_fraction: float | None,
+                 groups=None) -> PoolLayout:
     """The pool to allocate at startup: a byte budget (MiB or a fraction of available RAM), never more
-    blocks than the export was made for (so no allocation exceeds the manifest's maximum)."""
+    blocks than the export was made for (so no allocation exceeds the manifest's maximum). With layer
+    groups (the manifest's) the budget sizes group 0 and the others keep their blocks (sized_groups), as
+    the Android runner's budget_blocks does."""
     if pool_mb is None and pool_fraction is None:
         return layout
     if pool_mb is not None and pool_fraction is not None:
@@ -56,8 +59,16 @@ def sized_layout(layout: PoolLayout, pool_mb: float | None, pool_fraction: float
     budget = pool_mb * 2**20 if pool_mb is not None else pool_fraction * available_ram_bytes()
     what = f"--pool-mb {pool_mb}" if pool_mb is not None else \
         f"--pool-fraction {pool_fraction} ({budget / 2**20:.2f} MiB of available RAM)"
-    blocks = min(layout.num_blocks, budget_blocks(layout, budget, what))  # toolkit.pool_layout: the one formula
+    cap = groups[0].num_blocks if groups else layout.num_blocks
+    blocks = min(cap, budget_blocks(layout, budget, what, groups))  # toolkit.pool_layout: the one formula
     return replace(layout, num_blocks=blocks)
+
+
+def sized_groups(groups, exported: PoolLayout, sized: PoolLayout):
+    """The manifest's layer groups for a pool that sized_layout resized: group 0 gets its block count."""
+    if not groups or sized.num_blocks == exported.num_blocks:
+        return groups
+    return [replace(groups[0], num_blocks=sized.num_blocks), *groups[1:]]
 
 
 def check_threads(threads: int) -> int:
@@ -90,29 +101,30 @@ def manifest_groups(manifest: dict):
 def make_backend(art_dir: Path, manifest: dict, backend: str, native: bool | None = None, threads: int = 0,
                  pool_mb: float | None = None, pool_fraction: float | None = None):
     threads = check_threads(threads)
-    layout = layout_from_manifest(manifest)
+    exported = layout_from_manifest(manifest)
     if backend == "executorch" and (pool_mb is not None or pool_fraction is not None):
         raise PagedKVError(
             "the executorch backend's pool size is fixed when the model is exported (--pool-tokens / --pool-mb of "
             "`pagedkv export`); --pool-mb / --pool-fraction at run time need the onnxruntime or torch backend."
         )
-    layout = sized_layout(layout, pool_mb, pool_fraction)
+    groups = manifest_groups(manifest)
+    layout = sized_layout(exported, pool_mb, pool_fraction, groups)
+    groups = sized_groups(groups, exported, layout)
     if backend == "onnxruntime":
         from runtime_sim.backends import OrtBackend
 
         path = verify_artifact(art_dir, manifest, "onnx")
         entry = manifest["artifacts"]["onnx"]
         be = OrtBackend(path, layout, entry["inputs"], entry["outputs"], native=native, threads=threads,
-                        manifest_layout=layout_from_manifest(manifest))
-        if manifest_groups(manifest):
-            be.set_groups(manifest_groups(manifest))
+                        manifest_layout=exported)
+        if groups:
+            be.set_groups(groups)
         return be
     if backend == "executorch":
         from runtime_sim.backends import ExecuTorchBackend
 
         path = verify_artifact(art_dir, manifest, "pte")
-        return ExecuTorchBackend(path, layout, manifest["artifacts"]["pte"], threads=threads,
-                                 groups=manifest_groups(manifest))
+        return ExecuTorchBackend(path, layout, manifest["artifacts"]["pte"], threads=threads, groups=groups)
     if backend == "torch":
         from runtime_sim.backends import TorchBackend
         from toolkit.compiler import compile
@@ -123,7 +135,6 @@ def make_backend(art_dir: Path, manifest: dict, backend: str, native: bool | Non
 
             torch.set_num_threads(threads)
         model, _ = load_model(manifest["model"]["name"])
-        groups = manifest_groups(manifest)
         sliding = [g.num_blocks for g in groups or [] if g.window]
         paged = compile(model, layout.spec, block_size=layout.block_size, num_blocks=layout.num_blocks,
                         max_seqs=layout.max_seqs, sliding_blocks=max(sliding) if sliding else None,

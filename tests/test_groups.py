@@ -6,6 +6,8 @@ unquantized pool must equal HF's over prompts and generations several windows lo
 sliding groups hand their blocks back to their pools as the window moves on.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -14,6 +16,8 @@ from runtime_sim.backends import TorchBackend
 from runtime_sim.engine import Engine
 from toolkit.block_pool import HOLE, GroupedBlockPool, LayerGroup, dead_blocks, window_blocks_needed
 from toolkit.compiler import compile, layer_groups
+from toolkit.kv_spec import resolve_spec
+from toolkit.pool_layout import PoolLayout
 from toolkit.tiny_models import tiny_config, tiny_model
 from tests.helpers import hf_greedy
 
@@ -238,4 +242,60 @@ def test_pte_greedy_equals_hf_with_group_tables(tmp_path):
     assert backend.pool_arrays()[0][0].shape[0] == sliding  # the sliding layer's buffer: its group's blocks
     seq = e.conversations[c].seq
     assert e.pool.block_table(seq, 1)[:3] == [HOLE] * 3
+    e.pool.check_invariants()
+
+
+# ---------------------------------------------------------------------------------------------- pool budget
+
+
+def test_pool_budget_sizes_the_global_group_and_counts_the_window(tmp_path, wikitext):
+    """A byte budget on a model with sliding layers (export --pool-mb, run --pool-mb): it sizes the
+    global group's blocks, and the sliding group's window blocks count as a fixed part, as the Android
+    runner's budget_blocks does. The pool allocated fits the budget and one more block would not; at run
+    time the global group gets the sized count (not the manifest's) in the backend and the engine."""
+    import json
+
+    from export.artifacts import PoolRequest, export_artifacts
+    from runtime_sim.session import open_artifacts
+    from toolkit.block_pool import layer_layouts
+    from toolkit.manifest import layout_from_manifest
+    from toolkit.pool_layout import budget_terms
+    from toolkit.tiny_models import tiny_bpe_tokenizer
+
+    lines = [ln for ln in wikitext.read_text(encoding="utf-8").splitlines() if ln.strip()][:500]
+    tok = tiny_bpe_tokenizer(lines)
+
+    def pool_bytes(layout, groups):
+        return sum(b for lay in layer_layouts(layout, groups) for b in lay.layer_tensor_bytes().values())
+
+    # export: a budget of the fixed part (stage rows, the window's blocks) plus 40.5 global blocks
+    probe = PoolLayout(resolve_spec("default"), 2, 2, 64, BS, 1, 1)
+    window_blocks = window_blocks_needed(W, BS, 64)  # compiler.sliding_pool_blocks: one sequence, calls of 64
+    per_block, fixed = budget_terms(probe, [LayerGroup(0, (1,), 1), LayerGroup(W, (0,), window_blocks)])
+    assert per_block == probe.bytes_per_token // 2 * BS  # one layer's block: the global group has one layer
+    budget = fixed + 40.5 * per_block
+    art = tmp_path / "art"
+    export_artifacts("tiny-gemma3", art, formats=("onnx",), spec="default",
+                     pool=PoolRequest(pool_mb=budget / 2**20, max_seqs=1, block_size=BS),
+                     model_and_tokenizer=(tiny_model("gemma3"), tok))
+    manifest = json.loads((art / "pagedkv.json").read_text())
+    groups = [LayerGroup.from_dict(g) for g in manifest["groups"]]
+    exported = layout_from_manifest(manifest)
+    assert [(g.window, g.num_blocks) for g in groups] == [(0, 40), (W, window_blocks)]
+    assert exported.num_blocks == 40
+    assert pool_bytes(exported, groups) <= budget < pool_bytes(replace(exported, num_blocks=41),
+                                                               [replace(groups[0], num_blocks=41), groups[1]])
+
+    # run time: a smaller budget, 12.5 global blocks
+    small = fixed + 12.5 * per_block
+    e = open_artifacts(art, pool_mb=small / 2**20)
+    be = e.backend
+    assert be.layout.num_blocks == 12
+    assert [g.num_blocks for g in be.groups] == [12, window_blocks]
+    assert [p.num_blocks for p in e.pool.pools] == [12, window_blocks]
+    allocated = sum(a.nbytes for layer in be.pool_arrays() for a in layer)
+    assert allocated == pool_bytes(be.layout, be.groups) == e.stats()["pool_bytes"] <= small < allocated + per_block
+    # and it chats within that pool: 100 tokens need 7 global blocks
+    c = e.new_conversation()
+    list(e.generate(c, [(7 * i) % 400 + 3 for i in range(90)], 10))
     e.pool.check_invariants()

@@ -23,7 +23,8 @@ import torch
 
 from tests.helpers import hf_greedy
 from tests.native_build import build, need, qemu_env
-from toolkit.block_pool import dead_blocks, window_blocks_needed
+from toolkit.block_pool import LayerGroup, dead_blocks, window_blocks_needed
+from toolkit.pool_layout import PoolLayout, budget_terms
 
 BS = 16
 CALL = 16  # max_tokens_per_call of the exports: the runner prefills in calls of 16 tokens
@@ -123,6 +124,12 @@ def test_grouped_runner_greedy_equals_hf_and_sliding_blocks_return(host_cli, exp
     assert (r["pool_blocks"], r["usable_blocks"], r["used_blocks"]) == \
         (main["total_blocks"], main["usable_blocks"], main["used_blocks"])
     assert r["kv_bytes"] == sum(g["used_blocks"] * g["bytes_per_block"] for g in r["groups"])
+    # a byte budget counts the same terms as toolkit.pool_layout.budget_terms (runner.cpp budget_blocks):
+    # a block of the first group's layers, and the fixed part with the other groups' blocks
+    layout = PoolLayout.from_dict(man["pool"])
+    assert budget_terms(layout, [LayerGroup.from_dict(g) for g in groups]) == (
+        r["groups"][0]["bytes_per_block"],
+        r["pool_fixed_bytes"] + sum(g["bytes_per_block"] * g["total_blocks"] for g in r["groups"][1:]))
     if family != "mistral":
         assert [g["window"] for g in r["groups"]] == [0, window]  # the global group first
     else:

@@ -506,6 +506,20 @@ def layer_layouts(layout, groups: list[LayerGroup] | None) -> list:
     return out
 
 
+def grouped_pool_bytes(layout, groups: list[LayerGroup] | None) -> int:
+    """Bytes of every layer's pool tensors, each layer with its group's block count (layer_layouts); the
+    compact region, if any, belongs to the first group's (global) layers. groups=None: layout.total_bytes."""
+    if not groups:
+        return layout.total_bytes
+    total = 0
+    for i, lay in enumerate(layer_layouts(layout, groups)):
+        sizes = lay.layer_tensor_bytes()
+        if i not in groups[0].layers:  # a sliding group's layer has no compact region
+            sizes.pop("compact_codes", None), sizes.pop("compact_scales", None)
+        total += sum(sizes.values())
+    return total
+
+
 def window_blocks_needed(window: int, block_size: int, new_tokens: int) -> int:
     """Blocks one sequence of a sliding group holds at most while a call writes new_tokens: the
     blocks that intersect the window before the first new token, plus those the new tokens fill."""

@@ -226,7 +226,8 @@ def export_cmd(
                                        "(best for Gemma 3, default for the others; see `pagedkv specs`)."),
     block_size: int = typer.Option(16, help="Tokens per block: 16 or 32."),
     pool_tokens: Optional[int] = typer.Option(None, help="Pool capacity in tokens (default 2048)."),
-    pool_mb: Optional[float] = typer.Option(None, help="Pool size in MiB (instead of --pool-tokens)."),
+    pool_mb: Optional[float] = typer.Option(None, help="Pool size in MiB (instead of --pool-tokens); with "
+                                            "sliding-window layers their window's blocks come out of it first."),
     max_seqs: int = typer.Option(4, help="Conversations that can hold blocks at the same time."),
     onnx_weights: str = typer.Option("fp32", help="ONNX weights: fp32 or int4 (MatMulNBits)."),
     pte_weights: str = typer.Option(
@@ -287,7 +288,7 @@ def run(
                                           help="ORT: use the native kernel library (default: if built)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object (text + stats) instead."),
     pool_mb: Optional[float] = typer.Option(None, help="Pool budget in MiB, allocated at startup (onnxruntime/torch; "
-                                            "at most the exported pool)."),
+                                            "at most the exported pool; sliding layers' window blocks first)."),
     pool_fraction: Optional[float] = typer.Option(None, help="Pool budget as a fraction of available RAM."),
     policy: str = typer.Option("error", help="When the pool is full: error, evict (LRU chat), sliding, or adaptive (spill idle chats to disk, then slide)."),
     threads: int = typer.Option(0, "--threads", "-t", help="Threads of the runtime (onnxruntime's intra-op pool / "
@@ -339,7 +340,7 @@ def chat(
     seed: Optional[int] = typer.Option(None),
     system: Optional[str] = typer.Option(None, help="System prompt."),
     pool_mb: Optional[float] = typer.Option(None, help="Pool budget in MiB, allocated at startup (onnxruntime/torch; "
-                                            "at most the exported pool)."),
+                                            "at most the exported pool; sliding layers' window blocks first)."),
     pool_fraction: Optional[float] = typer.Option(None, help="Pool budget as a fraction of available RAM."),
     policy: str = typer.Option("error", help="When the pool is full: error, evict (LRU chat), sliding, or adaptive (spill idle chats to disk, then slide)."),
     threads: int = typer.Option(0, "--threads", "-t", help="Threads of the runtime (onnxruntime's intra-op pool / "

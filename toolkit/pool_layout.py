@@ -226,26 +226,39 @@ class PoolLayout:
 # C++ from the manifest's pool fields: android_demo/native/src/runner.cpp, budget_blocks)
 
 
-def blocks_for_budget(layout: PoolLayout, budget_bytes: float) -> int:
-    """The most blocks whose whole pool (PoolLayout.total_bytes with that block count) fits in budget_bytes;
-    0 if none. Only the layout's shape counts, not its own num_blocks."""
-    free = budget_bytes - layout.fixed_bytes
-    return max(0, int(free // (layout.bytes_per_token * layout.block_size)))
+def budget_terms(layout: PoolLayout, groups=None) -> tuple[int, int]:
+    """(bytes of one more block, bytes that do not depend on the block count) of the pool a budget sizes.
+
+    groups (toolkit.block_pool.LayerGroup list, as in the manifest; None: every layer in one group): the
+    budget sizes group 0's block count; every other group's pools keep their num_blocks (a sliding
+    group's window) and count as fixed. Each layer's block costs the same (one spec)."""
+    per_layer_block = layout.bytes_per_token // layout.num_layers * layout.block_size
+    if not groups:
+        return per_layer_block * layout.num_layers, layout.fixed_bytes
+    fixed = layout.fixed_bytes + sum(per_layer_block * len(g.layers) * g.num_blocks for g in groups[1:])
+    return per_layer_block * len(groups[0].layers), fixed
 
 
-def budget_too_small(layout: PoolLayout, what: str) -> str:
+def blocks_for_budget(layout: PoolLayout, budget_bytes: float, groups=None) -> int:
+    """The most blocks (of group 0, with groups) whose whole pool fits in budget_bytes; 0 if none. Only
+    the layout's shape counts, not its own num_blocks."""
+    per_block, fixed = budget_terms(layout, groups)
+    return max(0, int((budget_bytes - fixed) // per_block))
+
+
+def budget_too_small(layout: PoolLayout, what: str, groups=None) -> str:
     """The one-line error for a budget that holds fewer than MIN_POOL_BLOCKS blocks; `what` names the
     budget as the user gave it (e.g. "--pool-mb 0.01")."""
-    per_block = layout.block_size * layout.bytes_per_token
-    need = layout.fixed_bytes + MIN_POOL_BLOCKS * per_block
+    per_block, fixed = budget_terms(layout, groups)
+    need = fixed + MIN_POOL_BLOCKS * per_block
     return (f"{what} is too small: it holds fewer than {MIN_POOL_BLOCKS} blocks of {layout.block_size} tokens; the "
             f"smallest pool needs {need} bytes ({need / 2**20:.3f} MiB: {per_block} B per block + "
-            f"{layout.fixed_bytes} B that do not depend on the block count): raise it.")
+            f"{fixed} B that do not depend on the block count): raise it.")
 
 
-def budget_blocks(layout: PoolLayout, budget_bytes: float, what: str) -> int:
+def budget_blocks(layout: PoolLayout, budget_bytes: float, what: str, groups=None) -> int:
     """blocks_for_budget, at least MIN_POOL_BLOCKS (else SpecError with budget_too_small's message)."""
-    blocks = blocks_for_budget(layout, budget_bytes)
+    blocks = blocks_for_budget(layout, budget_bytes, groups)
     if blocks < MIN_POOL_BLOCKS:
-        raise SpecError(budget_too_small(layout, what))
+        raise SpecError(budget_too_small(layout, what, groups))
     return blocks
