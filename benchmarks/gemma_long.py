@@ -8,6 +8,15 @@ groups: the 15 sliding layers keep only their 512-token window) next to llama.cp
 
     python benchmarks/gemma_long.py --ctx 32768 --runner <.pte artifacts> --out benchmarks/results/gemma_long_runner.json
 
+`--compact-horizon H` gives our export a compact region (the compact tier, issue 25) holding every
+global-layer block older than the last H tokens, re-quantized to `--compact-spec` (a compact spec, e.g.
+k4v2-g256; default compact_spec_for(best)); the default region is sized for H + 512 tokens, the engine
+runs the adaptive policy (its compact rung moves aged blocks as the default region fills) and every
+aged block is moved after the prefill and again before the bytes are read (runtime_sim.compact.compact_aged:
+what a runtime does between turns), so the row's KV bytes hold H tokens in the conversation's spec.
+`--sliding-spec SPEC` exports the sliding layers in their own spec (`pagedkv export --sliding-spec`).
+Rows of such an export go to their own --out (the default names it).
+
 `--runner ARTIFACTS` measures only the Android runner (android_demo/native's pagedkv-runner, host build
 from `make native` / ci_build.sh host) on a .pte export of the model: it tokenizes the first ctx tokens of
 wikitext-2 with Gemma's own tokenizer (no BOS: the runner's CLI adds no special tokens), prefills them and
@@ -112,7 +121,10 @@ def worker(args) -> int:
     return 0
 
 
-def export_ours(max_ctx: int) -> Path:
+def export_ours(max_ctx: int, horizon: int | None = None, sliding_spec: str | None = None,
+                compact_spec: str | None = None) -> Path:
+    """Our ONNX export (cached): pool for max_ctx tokens; with a compact horizon, a default region of
+    horizon + 512 tokens and a compact region for the rest; the sliding layers in sliding_spec if given."""
     from export.artifacts import PoolRequest, export_artifacts
 
     from toolkit.kv_spec import default_spec_name
@@ -122,13 +134,22 @@ def export_ours(max_ctx: int) -> Path:
     # with the head in fp32, its 262144 x 640 MatMul reads 671 MB per token and dominates decode)
     spec = default_spec_name("gemma3_text")
     pool_tokens = -(-(max_ctx + 256) // 1024) * 1024
-    out = Path.home() / ".cache" / "pagedkv" / "bench-artifacts" / f"gemma3-270m-onnx-int4-e4-{spec}-{pool_tokens}"
+    safe = lambda text: "".join(c if c.isalnum() else "_" for c in text)  # noqa: E731
+    name = f"gemma3-270m-onnx-int4-e4-{spec}-{pool_tokens}"
+    req = PoolRequest(pool_tokens=pool_tokens, max_seqs=1)
+    if horizon:
+        req = PoolRequest(pool_tokens=horizon + 512, max_seqs=1, compact_blocks=pool_tokens // 16,
+                          compact_spec=compact_spec)
+        name += f"-compact{pool_tokens // 16}-h{horizon}" + (f"-{safe(compact_spec)}" if compact_spec else "")
+    if sliding_spec:
+        name += f"-sliding-{safe(sliding_spec)}"
+    out = Path.home() / ".cache" / "pagedkv" / "bench-artifacts" / name
     man = out / "pagedkv.json"
     # re-exported when missing or made before the graph's logits_rows input (its prefill ran the head on
     # every row of a chunk)
     if not man.is_file() or json.loads(man.read_text())["artifacts"]["onnx"]["inputs"][-1] != LOGITS_ROWS:
-        export_artifacts("gemma3-270m", out, ("onnx",), spec, PoolRequest(pool_tokens=pool_tokens, max_seqs=1),
-                         onnx_weights="int4-e4", force=True)
+        export_artifacts("gemma3-270m", out, ("onnx",), spec, req, onnx_weights="int4-e4", force=True,
+                         sliding_spec=sliding_spec)
     return out
 
 
@@ -165,28 +186,36 @@ def write_rows(out: Path, report: dict, rows: list[dict]) -> None:
     out.write_text(json.dumps({**old, **report, "runs": [merged[c] for c in sorted(merged)]}, indent=2) + "\n")
 
 
-def run_ours(art: Path, ids: list[int], steps: int, threads: int) -> dict:
+def run_ours(art: Path, ids: list[int], steps: int, threads: int, horizon: int | None = None) -> dict:
     import numpy as np
 
+    from runtime_sim.compact import compact_aged
     from runtime_sim.session import open_artifacts
 
-    engine = open_artifacts(art, "onnxruntime", threads=threads)
+    engine = open_artifacts(art, "onnxruntime", threads=threads, policy="adaptive" if horizon else "error")
+    if horizon:
+        engine.compact_horizon = horizon
     cid = engine.new_conversation()
     t0 = time.perf_counter()
     tok = int(np.argmax(engine.prefill(cid, ids)))
     prefill_s = time.perf_counter() - t0
+    if horizon:  # between turns: every block older than the horizon into the compact region
+        compact_aged(engine, cid, horizon)
     for _ in range(WARMUP):
         tok = int(np.argmax(engine.step({cid: [tok]})[cid]))
     t0 = time.perf_counter()
     for _ in range(steps):
         tok = int(np.argmax(engine.step({cid: [tok]})[cid]))
     decode_s = time.perf_counter() - t0
+    if horizon:
+        compact_aged(engine, cid, horizon)
     st = engine.stats()
     lay = engine.backend.layout
     n = engine.pool.length(engine.conversations[cid].seq)
     one_table = -(-n // lay.block_size) * lay.block_size * lay.bytes_per_token + lay.stage_bytes_per_sequence
     return {"prefill_s": prefill_s, "decode_tok_s": steps / decode_s, "kv_bytes": st["kv_bytes_in_use"],
-            "kv_bytes_one_table": one_table, "groups": st.get("groups"), "tokens": n}
+            "kv_bytes_one_table": one_table, "groups": st.get("groups"), "tokens": n, "pool_bytes": st["pool_bytes"],
+            "compact_blocks_in_use": st["ladder"]["compact_blocks_in_use"]}
 
 
 def main(argv=None) -> int:
@@ -206,12 +235,24 @@ def main(argv=None) -> int:
                          "'not run', KV bytes from llama.cpp's allocation formula)")
     ap.add_argument("--llamacpp-venv", type=Path, default=None,
                     help="default ~/.cache/pagedkv/llamacpp-<isa>-venv (benchmarks/llamacpp_peer.py)")
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gemma_long.json")
+    ap.add_argument("--compact-horizon", type=int, default=None, metavar="H",
+                    help="our export with a compact region: global-layer blocks older than the last H tokens are "
+                         "compacted (the compact tier)")
+    ap.add_argument("--compact-spec", default=None,
+                    help="the compact region's spec: a name of benchmarks/compact_tier.py's CANDIDATES (k4v2-g256) or "
+                         "spec text (export --compact-spec); default compact_spec_for(best)")
+    ap.add_argument("--sliding-spec", default=None, help="the sliding layers' own KV spec (export --sliding-spec)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default benchmarks/results/gemma_long.json (gemma_long_compact.json with --compact-horizon "
+                         "or --sliding-spec)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--gguf", help=argparse.SUPPRESS)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
     ap.add_argument("--kv", default="f16/f16", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.out is None:
+        name = "gemma_long_compact.json" if args.compact_horizon or args.sliding_spec else "gemma_long.json"
+        args.out = REPO / "benchmarks" / "results" / name
     if args.worker:
         return worker(args)
     kv_max_ctx = parse_kv_max_ctx(args.llamacpp_kv_max_ctx)
@@ -219,6 +260,7 @@ def main(argv=None) -> int:
         return runner_main(args)
 
     sys.path.insert(0, str(REPO))
+    from benchmarks.compact_tier import CANDIDATES
     from benchmarks.e2e import cpu_model
     from toolkit.model_loading import gemma3_gguf_path, load_model
 
@@ -226,7 +268,9 @@ def main(argv=None) -> int:
     _, tok = load_model("gemma3-270m")
     text = TEXT.read_text(encoding="utf-8")
     all_ids = tok(text[: 8 * max(args.ctx)], add_special_tokens=False)["input_ids"]
-    art = None if args.skip_ours else export_ours(args.pool_ctx or max(args.ctx))
+    compact_spec = CANDIDATES.get(args.compact_spec, args.compact_spec)
+    art = None if args.skip_ours else export_ours(args.pool_ctx or max(args.ctx), args.compact_horizon,
+                                                  args.sliding_spec, compact_spec)
     llama_py, llama_build = None, None
     if not args.skip_llamacpp:
         from benchmarks.llamacpp_peer import build_flags, ensure_llamacpp, llamacpp_python
@@ -236,14 +280,16 @@ def main(argv=None) -> int:
             sys.exit(f"llama.cpp is unavailable: {msg} (--skip-llamacpp leaves it out)")
         llama_py, llama_build = llamacpp_python(args.llamacpp_venv), build_flags()
     report = {"model": "Gemma 3 270M (Q4_K_M GGUF)", "threads": args.threads, "steps": args.steps,
-              "cpu": cpu_model(), "ours": "ONNX int4-e4 weights, KV spec best (export's default for Gemma 3), layer groups, onnxruntime",
+              "cpu": cpu_model(), "ours": "ONNX int4-e4 weights, KV spec best (export's default for Gemma 3), layer groups, onnxruntime"
+              + (f", compact tier (horizon {args.compact_horizon}, {compact_spec or 'compact_spec_for(best)'})"
+                 if args.compact_horizon else "") + (f", sliding layers {args.sliding_spec}" if args.sliding_spec else ""),
               "llamacpp_build": llama_build, "runs": []}
     for ctx in args.ctx:
         ids = [tok.bos_token_id] + all_ids[: ctx - 1]
         load0 = loadavg()
         row = {"ctx": ctx}
         if not args.skip_ours:
-            row["ours"] = run_ours(art, ids, args.steps, args.threads)
+            row["ours"] = run_ours(art, ids, args.steps, args.threads, args.compact_horizon)
             row["ours"]["loadavg_before_after"] = [load0, loadavg()]
         if not args.skip_llamacpp:
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:

@@ -37,13 +37,15 @@ MAX_SEQS = 4096
 class PoolRequest:
     """How big the pool should be: tokens or MiB (exactly one), and how many sequences share it.
     compact_blocks > 0 adds a compact region of that many blocks (the compact tier, issue 25: aged blocks
-    re-quantized to compact_spec_for(spec)); 0, the default, is the pool without one."""
+    re-quantized to compact_spec_for(spec, compact_spec): COMPACT_SPEC's record fields unless compact_spec
+    names others); 0, the default, is the pool without one."""
 
     pool_tokens: int | None = None
     pool_mb: float | None = None
     max_seqs: int = 4
     block_size: int = 16
     compact_blocks: int = 0
+    compact_spec: str | None = None  # the compact region's spec (a preset or PRESET:field=value text)
 
     def check(self) -> "PoolRequest":
         """Range checks that need no model (before the slow load)."""
@@ -62,11 +64,14 @@ class PoolRequest:
         check_block_size(self.block_size)
         return self
 
-    def compact_spec(self, spec: KVQuantSpec, head_dim: int) -> KVQuantSpec | None:
+    def region_spec(self, spec: KVQuantSpec, head_dim: int) -> KVQuantSpec | None:
         """The compact region's spec (None without one)."""
         from toolkit.kv_spec import compact_spec_for
 
-        return compact_spec_for(spec, head_dim) if self.compact_blocks else None
+        if self.compact_spec is not None and not self.compact_blocks:
+            raise SpecError("--compact-spec needs --compact-blocks N > 0 (a compact region).")
+        return compact_spec_for(spec, head_dim, resolve_spec(self.compact_spec) if self.compact_spec else None) \
+            if self.compact_blocks else None
 
     def num_blocks(self, spec: KVQuantSpec, num_layers: int, kv_heads: int, head_dim: int, groups=None) -> int:
         """The pool's block count (of the first layer group: with a model's groups, budget_groups, the
@@ -74,7 +79,7 @@ class PoolRequest:
         self.check()
         if self.pool_mb is not None:  # the most blocks whose whole pool fits (toolkit.pool_layout.budget_blocks)
             shape = PoolLayout(spec, num_layers, kv_heads, head_dim, self.block_size, 1, self.max_seqs,
-                               compact=self.compact_spec(spec, head_dim), num_compact_blocks=self.compact_blocks)
+                               compact=self.region_spec(spec, head_dim), num_compact_blocks=self.compact_blocks)
             return budget_blocks(shape, self.pool_mb * 2**20,
                                  f"--pool-mb {self.pool_mb} (with {self.max_seqs} sequences)", groups)
         tokens = self.pool_tokens if self.pool_tokens is not None else 2048
@@ -93,22 +98,28 @@ def model_default_spec(config, console: Console | None = None) -> KVQuantSpec:
     return resolve_spec(name).validate()
 
 
-def budget_groups(config, req: PoolRequest) -> list:
+def budget_groups(config, req: PoolRequest, spec: KVQuantSpec, sliding_spec: KVQuantSpec | None = None) -> list:
     """The model's layer groups as a --pool-mb budget counts them: each sliding group with the window
-    blocks export gives it (compiler.sliding_pool_blocks), the first group's count left to the budget."""
-    from toolkit.compiler import layer_groups, sliding_pool_blocks
+    blocks export gives it (compiler.sliding_pool_blocks) and its spec, the first group's count left to
+    the budget."""
+    from toolkit.compiler import layer_groups, model_dims, sliding_pool_blocks, with_sliding_spec
 
-    return layer_groups(config, MAX_POOL_TOKENS, sliding_pool_blocks(config, req.block_size, req.max_seqs))
+    groups = layer_groups(config, MAX_POOL_TOKENS, sliding_pool_blocks(config, req.block_size, req.max_seqs))
+    if sliding_spec is None:
+        return groups
+    return with_sliding_spec(groups, spec, sliding_spec, model_dims(config).head_dim)
 
 
-def make_layout(config, spec: KVQuantSpec, req: PoolRequest) -> PoolLayout:
+def make_layout(config, spec: KVQuantSpec, req: PoolRequest, sliding_spec: KVQuantSpec | None = None) -> PoolLayout:
     from toolkit.model_dims import model_dims
 
     d = model_dims(config)
+    if sliding_spec is not None:  # checked before the weights load (and counted by a --pool-mb budget)
+        budget_groups(config, req, spec, sliding_spec)
     nb = req.num_blocks(spec, d.num_layers, d.num_kv_heads, d.head_dim,
-                        budget_groups(config, req) if req.pool_mb is not None else None)
+                        budget_groups(config, req, spec, sliding_spec) if req.pool_mb is not None else None)
     return PoolLayout(spec, d.num_layers, d.num_kv_heads, d.head_dim, req.block_size, nb, req.max_seqs,
-                      compact=req.compact_spec(spec, d.head_dim), num_compact_blocks=req.compact_blocks)
+                      compact=req.region_spec(spec, d.head_dim), num_compact_blocks=req.compact_blocks)
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
@@ -273,16 +284,20 @@ def export_artifacts(
     console: Console | None = None,
     model_and_tokenizer=None,
     force: bool = False,
+    sliding_spec: str | dict | KVQuantSpec | None = None,
 ) -> dict:
     """Export `model_path` to `out_dir` atomically; returns the manifest. `model_and_tokenizer` skips loading.
     An existing non-empty `out_dir` is refused unless `force` (then replaced whole). spec None: the
     model type's default (kv_spec.default_spec_name). max_logits_rows bounds the logits rows one .pte call
-    computes (export_pte); None: all of the call's tokens."""
+    computes (export_pte); None: all of the call's tokens. sliding_spec: the sliding layers' own KV spec
+    (compile(sliding_spec=); the manifest is then format 2); None: every layer stores `spec`."""
     console = console or Console(stderr=True)
     formats = tuple(dict.fromkeys(formats))
     check_options(formats, onnx_weights, pte_weights, max_tokens_per_call, max_logits_rows)
     if spec is not None:
         spec = resolve_spec(spec).validate()
+    if sliding_spec is not None:
+        sliding_spec = resolve_spec(sliding_spec).validate()
     pool = (pool or PoolRequest()).check()
     out_dir = Path(out_dir).expanduser().absolute()
     check_out_dir(out_dir, force)
@@ -295,7 +310,7 @@ def export_artifacts(
         config = preflight_model(model_path)
         if config is not None:  # spec and pool against the model's dims, before the weights load
             spec = spec or model_default_spec(config, console)
-            make_layout(config, spec, pool)
+            make_layout(config, spec, pool, sliding_spec)
 
     tmp = None
     try:
@@ -303,10 +318,10 @@ def export_artifacts(
 
         model, tokenizer = model_and_tokenizer or load_model(model_path)
         spec = spec or model_default_spec(model.config, console)
-        layout = make_layout(model.config, spec, pool)
+        layout = make_layout(model.config, spec, pool, sliding_spec)
         tmp = _new_temp_dir(out_dir)
         manifest = _write_all(model, tokenizer, model_path, tmp, formats, spec, layout, onnx_weights, pte_weights,
-                              max_tokens_per_call, console, max_logits_rows)
+                              max_tokens_per_call, console, max_logits_rows, sliding_spec)
         _replace_dir(tmp, out_dir)
         tmp = None
     except OSError as e:  # a full disk or a vanished dir: one line, nothing left behind
@@ -320,7 +335,7 @@ def export_artifacts(
 
 
 def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, onnx_weights, pte_weights,
-               max_tokens_per_call, console, max_logits_rows=None) -> dict:
+               max_tokens_per_call, console, max_logits_rows=None, sliding_spec=None) -> dict:
     """Write every file of the export into `out` (a fresh dir); the manifest last."""
     from toolkit.compiler import compile, groups_manifest, model_dims, sliding_pool_blocks
     from toolkit.manifest import check_file_name, weights_sha256
@@ -338,8 +353,10 @@ def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, o
         t0 = time.time()
         paged = compile(model, spec, block_size=layout.block_size, num_blocks=layout.num_blocks,
                         max_seqs=layout.max_seqs, compact_blocks=layout.num_compact_blocks,
-                        sliding_blocks=sliding_pool_blocks(model.config, layout.block_size, layout.max_seqs))
-        with console.status(f"exporting {fmt} ({dims.num_layers} layers, {spec.describe()})..."):
+                        sliding_blocks=sliding_pool_blocks(model.config, layout.block_size, layout.max_seqs),
+                        sliding_spec=sliding_spec, compact_spec=layout.compact)
+        what = spec.describe() + (f"; sliding layers {sliding_spec.describe()}" if sliding_spec else "")
+        with console.status(f"exporting {fmt} ({dims.num_layers} layers, {what})..."):
             if fmt == "onnx":
                 from export.onnx_export import export_onnx
 

@@ -417,7 +417,7 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
         progress(f"torch.export done in {time.time() - t0:.0f}s; lowering to XNNPACK")
     t0 = time.time()
     # what the program bakes in about its pool, as a constant method the runtime compares with the manifest
-    identity = json.dumps(pool_identity(layout)).encode("utf-8")
+    identity = json.dumps(pool_identity(layout, paged.groups)).encode("utf-8")
     edge = to_edge_transform_and_lower(exported, partitioner=[_partitioner()], constant_methods={
         PTE_POOL_METHOD: torch.tensor(list(identity), dtype=torch.uint8)})
     if progress:

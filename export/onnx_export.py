@@ -103,8 +103,10 @@ def _example_op_inputs(layout: PoolLayout, num_heads: int, t: int = 3):
     )
 
 
-def fallback_function(layout: PoolLayout, num_heads: int) -> tuple[onnx.FunctionProto, list[onnx.FunctionProto]]:
-    """Export the reference op (T, M dynamic) and turn its graph into the FunctionProto pagedkv::OP_TYPE.
+def fallback_function(layout: PoolLayout, num_heads: int,
+                      overload: str = "") -> tuple[onnx.FunctionProto, list[onnx.FunctionProto]]:
+    """Export the reference op (T, M dynamic) and turn its graph into the FunctionProto pagedkv::OP_TYPE
+    (the body bakes in layout.spec; an overload name for another spec's, see own_spec_overloads).
 
     Returns (function, helper functions the body calls)."""
     t, m = torch.export.Dim("T", min=1), torch.export.Dim("M", min=1)
@@ -115,7 +117,32 @@ def fallback_function(layout: PoolLayout, num_heads: int) -> tuple[onnx.Function
         _ReferenceForExport(layout), _example_op_inputs(layout, num_heads), dynamo=True, dynamic_shapes=dyn,
         opset_version=OPSET, verbose=False,
     )
-    return function_from_export(prog, OP_TYPE, len(TENSOR_INPUTS), INT_ATTRS)
+    fn, extra = function_from_export(prog, OP_TYPE, len(TENSOR_INPUTS), INT_ATTRS)
+    fn.overload = overload
+    return fn, extra
+
+
+def own_spec_overloads(paged: PagedModel) -> dict[int, str]:
+    """group index -> the overload name of the fallback function its layers' nodes call, for each layer
+    group with its own spec (compile(sliding_spec=)): an ONNX function's body bakes in one spec, so another
+    spec is another overload of pagedkv::QuantizedPagedAttention (IR version 10). The native kernel reads
+    the spec from each node's attributes and ignores the overload."""
+    return {g: f"group{g}" for g, grp in enumerate(paged.groups) if grp.spec is not None}
+
+
+def set_overload(model: onnx.ModelProto, layers, overload: str) -> None:
+    """Make the op nodes of these layers (their `layer` attribute) call the fallback overload `overload`."""
+    want = set(layers)
+    hit = set()
+    for node in model.graph.node:
+        if node.domain == DOMAIN and node.op_type == OP_TYPE:
+            layer = next(a.i for a in node.attribute if a.name == "layer")
+            if layer in want:
+                node.overload = overload
+                hit.add(layer)
+    if hit != want:
+        raise RuntimeError(f"the exported graph has no {OP_TYPE} node for layers {sorted(want - hit)}")
+    model.ir_version = max(model.ir_version, 10)  # function overloads
 
 
 def function_from_export(prog, op_type: str, n_tensor_inputs: int, int_attrs) -> tuple[onnx.FunctionProto, list]:
@@ -218,8 +245,13 @@ def export_onnx(paged: PagedModel, path: Path, progress=None) -> dict:
     if progress:
         progress(f"graph exported in {time.time() - t0:.0f}s; building the standard-op fallback")
     # each op's fallback function where the graph has its nodes (the default op's: every layer but the
-    # compact ones)
-    fns = [fallback_function(layout, paged.dims.num_heads)] if len(compact_layers) < layout.num_layers else []
+    # compact ones and those of a group with its own spec, whose nodes call an overload of it)
+    own = own_spec_overloads(paged)
+    plain = len(compact_layers) + sum(len(paged.groups[g].layers) for g in own) < layout.num_layers
+    fns = [fallback_function(layout, paged.dims.num_heads)] if plain else []
+    for g, overload in own.items():
+        fns.append(fallback_function(paged.layer_layout(paged.groups[g].layers[0]), paged.dims.num_heads, overload))
+        set_overload(model, paged.groups[g].layers, overload)
     if compact_layers:
         from export.onnx_mixed import mixed_fallback_function
 
@@ -229,7 +261,7 @@ def export_onnx(paged: PagedModel, path: Path, progress=None) -> dict:
     if DOMAIN not in {o.domain for o in model.opset_import}:
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     # what the graph bakes in about its pool, checked against the manifest when it is loaded
-    model.metadata_props.add(key=ONNX_POOL_KEY, value=json.dumps(pool_identity(layout)))
+    model.metadata_props.add(key=ONNX_POOL_KEY, value=json.dumps(pool_identity(layout, groups)))
     path = Path(path)
     onnx.save_model(model, str(path))
     return {"file": path.name, "inputs": inputs, "outputs": outputs}
@@ -248,11 +280,11 @@ def _compact_example(layout: PoolLayout, compact_layers) -> tuple[list, list]:
 
 def add_function(model: onnx.ModelProto, fn: onnx.FunctionProto, extra: list) -> None:
     """Add a fallback function (and the helper functions its body calls, once each) to the model."""
-    have = {(f.domain, f.name) for f in model.functions}
+    have = {(f.domain, f.name, f.overload) for f in model.functions}
     for f in [fn] + extra:
-        if (f.domain, f.name) not in have:
+        if (f.domain, f.name, f.overload) not in have:
             model.functions.append(f)
-            have.add((f.domain, f.name))
+            have.add((f.domain, f.name, f.overload))
     for imp in fn.opset_import:
         if imp.domain not in {o.domain for o in model.opset_import}:
             model.opset_import.append(imp)

@@ -113,7 +113,7 @@ class OrtBackend:
     name = "onnxruntime"
 
     def __init__(self, onnx_path, layout, inputs: list[str], outputs: list[str], native: bool | None = None,
-                 threads: int = 0, manifest_layout=None):
+                 threads: int = 0, manifest_layout=None, groups=None):
         import onnxruntime as ort
 
         self.layout = layout
@@ -145,7 +145,7 @@ class OrtBackend:
         check_graph_pool(
             str(onnx_path), manifest_layout or layout, inputs,
             [(i.name, list(i.shape), i.type) for i in self.session.get_inputs()],
-            self.session.get_modelmeta().custom_metadata_map.get(ONNX_POOL_KEY),
+            self.session.get_modelmeta().custom_metadata_map.get(ONNX_POOL_KEY), groups,
         )
         if [o.name for o in self.session.get_outputs()] != list(outputs):
             raise ArtifactError(f"{onnx_path}: the graph's outputs are not the manifest's: re-run `pagedkv export`.")
@@ -157,7 +157,7 @@ class OrtBackend:
         if self.compact_layers and not layout.num_compact_blocks:
             raise ArtifactError(f"{onnx_path} reads a compact region the manifest's pool does not describe: re-run "
                                 "`pagedkv export`.")
-        self.set_groups(None)
+        self.set_groups(groups)
 
     def set_groups(self, groups) -> None:
         """Allocate and bind the pools: one global group (None) or the manifest's layer groups, each
@@ -226,7 +226,7 @@ class OrtBackend:
             ccodes[dst], cscales[dst] = requantize_np(codes[src], scales[src], lay.spec, lay.compact, lay.head_dim)
 
 
-def check_pte_pool(module, where: str, layout) -> None:
+def check_pte_pool(module, where: str, layout, groups=None) -> None:
     """The .pte carries its pool identity as a constant method (export/executorch_export.py): compare it
     with the manifest's pool, the way OrtBackend compares the ONNX graph's metadata."""
     import json
@@ -239,7 +239,7 @@ def check_pte_pool(module, where: str, layout) -> None:
     got = bytes(module.run_method(PTE_POOL_METHOD, ())[0].numpy().tobytes()).decode("utf-8", "replace")
     from toolkit.manifest import check_identity
 
-    check_identity(where, pool_identity(layout), got)
+    check_identity(where, pool_identity(layout, groups), got)
 
 
 class ExecuTorchBackend:
@@ -280,7 +280,7 @@ class ExecuTorchBackend:
             self.module = portable_lib._load_for_executorch(str(pte_path))
         except Exception as e:  # the runtime raises RuntimeError with its own error code on a damaged file
             raise ArtifactError(f"ExecuTorch cannot load {pte_path} ({str(e)[:200]}): re-run `pagedkv export`.") from None
-        check_pte_pool(self.module, str(pte_path), layout)
+        check_pte_pool(self.module, str(pte_path), layout, groups)
         self._pools = None  # numpy views of the program's pool buffers, known after the first step
         # the compact region: this backend's memory, read by the program in place (an input it does not plan)
         layers = compact_input_layers(entry.get("inputs", []))

@@ -386,8 +386,13 @@ def model_sha256(engine) -> bytes:
 
 def describe(engine) -> ConversationData:
     """The engine's pool as a ConversationData without tokens or blocks (what a file must match)."""
+    from toolkit.block_pool import has_group_specs
     from toolkit.kv_spec import record_layout
 
+    if has_group_specs(engine.groups):
+        raise PagedKVError("conversation files hold one KV spec for every layer, and this pool's sliding layers "
+                           "store their own (export --sliding-spec): save, restore and spilling need an export "
+                           "without --sliding-spec.")
     lay = engine.backend.layout
     itemsize = int(np.dtype(lay.codes_dtype_name).itemsize)
     compact = lay.compact if getattr(lay, "num_compact_blocks", 0) else None

@@ -24,7 +24,7 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
-from toolkit.block_pool import GroupedBlockPool, LayerGroup, grouped_pool_bytes
+from toolkit.block_pool import GroupedBlockPool, LayerGroup, group_layout, grouped_pool_bytes
 from toolkit.errors import PagedKVError, PoolExhausted
 from toolkit.pool_layout import PoolLayout
 
@@ -558,9 +558,13 @@ class Engine:
         lay = self.backend.layout
         s = self.pool.stats()
         c = self.counters
-        per_layer = lay.bytes_per_token // lay.num_layers  # bytes of one token in one layer
-        blocks_bytes = sum(p.num_used_blocks * lay.block_size * per_layer * len(g.layers)
-                           for g, p in zip(self.groups, self.pool.pools))
+        # a block of a group costs its layers' token bytes in the group's spec (group_layout)
+        blocks_bytes = sum(p.num_used_blocks * lay.block_size * group_layout(lay, g).bytes_per_token
+                           // lay.num_layers * len(g.layers) for g, p in zip(self.groups, self.pool.pools))
+        # compact blocks in use, in the compact spec, in the first group's layers (the compact tier)
+        compact_used = self.pool.main.num_compact_blocks - self.pool.main.num_free_compact_blocks
+        blocks_bytes += compact_used * lay.block_size * lay.compact_bytes_per_token // lay.num_layers * \
+            len(self.groups[0].layers)
         s.update(
             kv_bytes_in_use=blocks_bytes + len(self.pool.live_sequences()) * lay.stage_bytes_per_sequence,
             pool_bytes=grouped_pool_bytes(lay, self.groups),

@@ -89,12 +89,21 @@ def manifest_groups(manifest: dict):
     """The manifest's layer groups (toolkit.block_pool.LayerGroup), or None for one global group."""
     from toolkit.block_pool import LayerGroup
 
+    from toolkit.kv_spec import check_group_spec
+
     groups = manifest.get("groups")
     if not groups:
         return None
     try:
-        return [LayerGroup.from_dict(g) for g in groups]
-    except (KeyError, TypeError, ValueError) as e:
+        out = [LayerGroup.from_dict(g) for g in groups]
+        pool = layout_from_manifest(manifest)
+        for i, g in enumerate(out):  # a group's own spec: not the first group's, and only a record change
+            if g.spec is not None and (i == 0 or not g.window):
+                raise ValueError(f"group {i} ({'global' if not g.window else 'the first'}) has its own spec")
+            if g.spec is not None:
+                check_group_spec(pool.spec, g.spec, pool.head_dim, f"group {i}'s spec")
+        return out
+    except (KeyError, TypeError, ValueError) as e:  # SpecError is a ValueError
         raise PagedKVError(f"the manifest's groups entry is malformed ({e}): re-run `pagedkv export`.") from None
 
 
@@ -115,11 +124,8 @@ def make_backend(art_dir: Path, manifest: dict, backend: str, native: bool | Non
 
         path = verify_artifact(art_dir, manifest, "onnx")
         entry = manifest["artifacts"]["onnx"]
-        be = OrtBackend(path, layout, entry["inputs"], entry["outputs"], native=native, threads=threads,
-                        manifest_layout=exported)
-        if groups:
-            be.set_groups(groups)
-        return be
+        return OrtBackend(path, layout, entry["inputs"], entry["outputs"], native=native, threads=threads,
+                          manifest_layout=exported, groups=groups)
     if backend == "executorch":
         from runtime_sim.backends import ExecuTorchBackend
 
@@ -136,9 +142,11 @@ def make_backend(art_dir: Path, manifest: dict, backend: str, native: bool | Non
             torch.set_num_threads(threads)
         model, _ = load_model(manifest["model"]["name"])
         sliding = [g.num_blocks for g in groups or [] if g.window]
+        own = [g.spec for g in groups or [] if g.spec is not None]
         paged = compile(model, layout.spec, block_size=layout.block_size, num_blocks=layout.num_blocks,
                         max_seqs=layout.max_seqs, sliding_blocks=max(sliding) if sliding else None,
-                        compact_blocks=layout.num_compact_blocks)
+                        compact_blocks=layout.num_compact_blocks, sliding_spec=own[0] if own else None,
+                        compact_spec=layout.compact)
         return TorchBackend(paged)
     raise PagedKVError(f"unknown backend '{backend}': use one of {', '.join(BACKENDS)}.")
 

@@ -435,6 +435,9 @@ def test_compact_aged_in_the_engine():
     e.check_invariants()
     assert e.pool.main.num_free_compact_blocks == 2 and e.pool.num_free_blocks == 16 - 6 + 2
     assert compact_aged(e, c, horizon=40) == []  # nothing more is old enough
+    # the KV bytes in use: 4 default blocks, 2 compact ones (in the compact spec), the stage rows
+    assert e.stats()["kv_bytes_in_use"] == bs * (4 * lay.bytes_per_token + 2 * lay.compact_bytes_per_token) + \
+        lay.stage_bytes_per_sequence
 
     # (b) the default region and the stages are byte-identical; the compact region holds exactly the
     # re-quantized records of the moved blocks, and nothing else

@@ -98,7 +98,8 @@ def stored_kv(layout, pools, table, p):
 
 def register_stored_kv_eager(family, snapshots):
     """An attention function that runs the family's own eager attention per query, on stored_kv.
-    snapshots[p] = (layout, pools, table) as they were after the call that wrote position p."""
+    snapshots[layer][p] = (layout, pools, table) of that layer as they were after the call that wrote
+    position p."""
     import importlib
 
     mod_name = {"gemma3": "gemma3"}.get(family, family)
@@ -109,7 +110,7 @@ def register_stored_kv_eager(family, snapshots):
         outs = []
         for p in range(t):
             lo = max(0, p - sliding_window + 1) if sliding_window else 0
-            k_eff, v_eff = stored_kv(*snapshots[p], p)
+            k_eff, v_eff = stored_kv(*snapshots[module.layer_idx][p], p)
             kwargs = {k: v for k, v in kw.items() if k in ("softcap",)}
             o, _ = eager(module, query[:, :, p : p + 1], k_eff[None, :, lo:], v_eff[None, :, lo:], None,
                          scaling=scaling, dropout=0.0, **kwargs)
@@ -130,7 +131,7 @@ def test_default_spec_equals_eager_on_stored_kv(family):
     paged = compile(tiny_model(family, num_layers=1), spec, block_size=BS, num_blocks=8, max_seqs=1, groups=False)
     ids = torch.randint(3, 512, (1, 45), generator=torch.Generator().manual_seed(2))
     table = torch.arange(8)[None]
-    snapshots = {}
+    snapshots = {0: {}}
     got = []
     with torch.no_grad():
         # 30 tokens of prefill, then 15 single-token steps: tail, sink and quantized blocks all exercised
@@ -138,7 +139,7 @@ def test_default_spec_equals_eager_on_stored_kv(family):
             got.append(paged(ids[:, lo:hi], torch.arange(lo, hi), torch.zeros(hi - lo, dtype=torch.long), table))
             pools = tuple(x.clone() for x in paged.pool_tensors()[0])
             for p in range(lo, hi):
-                snapshots[p] = (paged.layout, pools, table[0])
+                snapshots[0][p] = (paged.layout, pools, table[0])
         ref = tiny_model(family, num_layers=1)
         ref.set_attn_implementation(register_stored_kv_eager(family, snapshots))
         want = ref(ids, use_cache=False).logits

@@ -299,3 +299,126 @@ def test_pool_budget_sizes_the_global_group_and_counts_the_window(tmp_path, wiki
     c = e.new_conversation()
     list(e.generate(c, [(7 * i) % 400 + 3 for i in range(90)], 10))
     e.pool.check_invariants()
+
+
+# ---------------------------------------------------------------------------------------------- a spec per group
+
+# other bits and V groups than the pool's default (K8/V4, groups 64/32), the same rotation, tail and sink
+SLIDING_SPEC = "default:k_bits=5,v_bits=3,v_group=16"
+
+
+def test_sliding_spec_equals_eager_on_stored_kv():
+    """compile(sliding_spec=): the sliding layer's pool has the sliding spec's record widths, and both
+    layers' attention equals HF's eager attention on the K/V the op stored there (read back in each
+    layer's own spec: tests/test_compiler.py stored_kv), over a prefill and decode steps past the window."""
+    from tests.test_compiler import register_stored_kv_eager
+    from toolkit.kv_spec import record_layout
+
+    pool_spec, sliding = resolve_spec("default"), resolve_spec(SLIDING_SPEC)
+    paged = compile(tiny_model("gemma3"), pool_spec, block_size=BS, num_blocks=8, max_seqs=1, sliding_spec=sliding)
+    assert [(g.window, g.layers, g.spec) for g in paged.groups] == [(0, (1,), None), (W, (0,), sliding)]
+    assert paged.layer_layout(0).spec == sliding and paged.layer_layout(1).spec == pool_spec
+    widths = [paged.pool_tensors()[i][0].shape[-1] for i in (0, 1)]
+    assert widths == [record_layout(sliding, 64).code_width, record_layout(pool_spec, 64).code_width]
+    assert widths[0] < widths[1]
+    ids = torch.randint(3, 512, (1, 45), generator=torch.Generator().manual_seed(3))
+    table = torch.arange(8)[None]
+    snapshots = {0: {}, 1: {}}
+    got = []
+    with torch.no_grad():
+        for lo, hi in [(0, 30)] + [(p, p + 1) for p in range(30, 45)]:  # past the window of 24
+            got.append(paged(ids[:, lo:hi], torch.arange(lo, hi), torch.zeros(hi - lo, dtype=torch.long), table, table))
+            for layer in (0, 1):
+                pools = tuple(x.clone() for x in paged.pool_tensors()[layer])
+                for p in range(lo, hi):
+                    snapshots[layer][p] = (paged.layer_layout(layer), pools, table[0])
+        ref = tiny_model("gemma3")
+        ref.set_attn_implementation(register_stored_kv_eager("gemma3", snapshots))
+        want = ref(ids, use_cache=False).logits
+    got = torch.cat(got, dim=1)
+    assert (got - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
+
+
+def test_sliding_spec_rules():
+    from toolkit.errors import SpecError, UnsupportedModelError
+    from toolkit.kv_spec import check_group_spec
+    from toolkit.manifest import validate_manifest
+
+    pool = resolve_spec("default")
+    assert check_group_spec(pool, resolve_spec("k4v4"), 64) == resolve_spec("k4v4")
+    with pytest.raises(SpecError, match="rotate"):
+        check_group_spec(pool, pool.replace(k_bits=4, rotate=False), 64)
+    with pytest.raises(SpecError, match="quantized"):
+        check_group_spec(pool, resolve_spec("fp16"), 64)
+    with pytest.raises(SpecError, match="does not divide"):
+        check_group_spec(pool, pool.replace(v_group=48), 64)
+    with pytest.raises(UnsupportedModelError, match="only global"):
+        compile(tiny_model("llama"), sliding_spec=SLIDING_SPEC)
+    with pytest.raises(UnsupportedModelError, match="every layer"):
+        compile(tiny_model("mistral"), sliding_spec=SLIDING_SPEC)
+    # the manifest's format says whether a group has its own spec (a version-1 reader must refuse it)
+    groups = [LayerGroup(0, (1,), 8).to_dict(), LayerGroup(W, (0,), 3, resolve_spec(SLIDING_SPEC)).to_dict()]
+    base = {"artifacts": {}, "groups": groups}
+    assert validate_manifest(dict(base, format_version=2))
+    with pytest.raises(Exception, match="format_version 1 does not match"):
+        validate_manifest(dict(base, format_version=1))
+    with pytest.raises(Exception, match="format_version 2 does not match"):
+        validate_manifest({"artifacts": {}, "groups": groups[:1] + [LayerGroup(W, (0,), 3).to_dict()],
+                           "format_version": 2})
+
+
+def test_sliding_spec_exports_and_runs_on_every_backend(tmp_path, wikitext):
+    """export --sliding-spec to ONNX and .pte: the manifest (format 2) names the group's spec; the
+    native ORT kernel, ORT's standard-op fallback (an overload of the op's function with the sliding
+    spec baked in), ExecuTorch and the torch op give the same logits over a prompt two windows long and
+    the same greedy tokens after it; each sliding layer's pool has the sliding spec's widths; the pool
+    bytes in the stats are what was allocated; conversation files refuse such a pool in one line."""
+    import json
+
+    from export.artifacts import PoolRequest, export_artifacts
+    from runtime_sim.session import open_artifacts
+    from toolkit.errors import PagedKVError
+    from toolkit.kv_spec import record_layout
+    from toolkit.tiny_models import tiny_bpe_tokenizer
+
+    lines = [ln for ln in wikitext.read_text(encoding="utf-8").splitlines() if ln.strip()][:500]
+    sliding = resolve_spec(SLIDING_SPEC)
+    art = tmp_path / "art"
+    export_artifacts("tiny-gemma3", art, formats=("onnx", "pte"), spec="default", sliding_spec=SLIDING_SPEC,
+                     pool=PoolRequest(pool_tokens=160, max_seqs=1, block_size=BS),
+                     model_and_tokenizer=(tiny_model("gemma3"), tiny_bpe_tokenizer(lines)))
+    manifest = json.loads((art / "pagedkv.json").read_text())
+    assert manifest["format_version"] == 2
+    assert [LayerGroup.from_dict(g).spec for g in manifest["groups"]] == [None, sliding]
+    groups = [LayerGroup.from_dict(g) for g in manifest["groups"]]
+
+    torch_paged = compile(tiny_model("gemma3"), "default", block_size=BS, num_blocks=10, max_seqs=1,
+                          sliding_blocks=groups[1].num_blocks, sliding_spec=sliding)
+    engines = {"torch": Engine(TorchBackend(torch_paged), prefill_chunk=16),
+               "ort-native": open_artifacts(art, native=True, prefill_chunk=16),
+               "ort-fallback": open_artifacts(art, native=False, prefill_chunk=16),
+               "executorch": open_artifacts(art, "executorch", prefill_chunk=16)}
+    assert engines["ort-native"].backend.native and not engines["ort-fallback"].backend.native
+    prompt = [(11 * i) % 500 + 3 for i in range(50)]
+    logits, tokens = {}, {}
+    for name, e in engines.items():
+        c = e.new_conversation()
+        out = logits[name] = e.prefill(c, prompt)
+        tokens[name] = []
+        for _ in range(12):  # greedy
+            tokens[name].append(int(out.argmax()))
+            out = e.step({c: [tokens[name][-1]]})[c]
+        pools = e.backend.pool_arrays()
+        assert pools[0][0].shape[-1] == record_layout(sliding, 64).code_width, name  # layer 0 slides
+        assert pools[1][0].shape[-1] == record_layout(resolve_spec("default"), 64).code_width, name
+        assert e.pool.block_table(e.conversations[c].seq, 1)[0] == HOLE, name  # the window moved on
+        e.pool.check_invariants()
+        if name.startswith("ort"):
+            assert e.stats()["pool_bytes"] == sum(a.nbytes for layer in pools for a in layer)
+    want = logits["torch"]
+    for name in engines:
+        assert abs(logits[name] - want).max() < 1e-3 * max(1.0, abs(want).max()), name
+        assert tokens[name] == tokens["torch"], name
+    e = engines["ort-native"]
+    with pytest.raises(PagedKVError, match="--sliding-spec"):
+        e.save(0, tmp_path / "chat.pkv")

@@ -27,6 +27,7 @@ blocks last-to-first, so a chain's tail is recycled before its root.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -482,28 +483,53 @@ class LayerGroup:
     window: int
     layers: tuple[int, ...]
     num_blocks: int
+    # the group's own KV spec (toolkit.kv_spec.check_group_spec: it changes only the record's bits,
+    # groups and symmetry); None: the pool's spec. The first (global) group always has the pool's.
+    spec: object = None
 
     def to_dict(self) -> dict:
-        return {"window": self.window, "layers": list(self.layers), "num_blocks": self.num_blocks}
+        d = {"window": self.window, "layers": list(self.layers), "num_blocks": self.num_blocks}
+        if self.spec is not None:  # written only when set: a manifest without group specs is as before
+            d["spec"] = dataclasses.asdict(self.spec)
+        return d
 
     @staticmethod
     def from_dict(d: dict) -> "LayerGroup":
-        return LayerGroup(int(d["window"]), tuple(int(i) for i in d["layers"]), int(d["num_blocks"]))
+        from toolkit.kv_spec import spec_from_dict
+
+        spec = spec_from_dict(d["spec"], None, "a layer group's spec") if d.get("spec") is not None else None
+        return LayerGroup(int(d["window"]), tuple(int(i) for i in d["layers"]), int(d["num_blocks"]), spec)
+
+
+def has_group_specs(groups: list[LayerGroup] | None) -> bool:
+    """Whether any layer group has its own KV spec (manifest format 2)."""
+    return any(g.spec is not None for g in groups or [])
 
 
 def layer_layouts(layout, groups: list[LayerGroup] | None) -> list:
-    """Per layer, its pool's layout (toolkit.pool_layout.PoolLayout) with its group's block count;
-    groups=None: every layer has `layout`."""
-    import dataclasses
-
+    """Per layer, its pool's layout (toolkit.pool_layout.PoolLayout) with its group's block count and spec
+    (group_layout); groups=None: every layer has `layout`."""
     if not groups:
         return [layout] * layout.num_layers
     out = [layout] * layout.num_layers
     for g in groups:
-        lay = layout if g.num_blocks == layout.num_blocks else dataclasses.replace(layout, num_blocks=g.num_blocks)
+        lay = group_layout(layout, g)
         for i in g.layers:
             out[i] = lay
     return out
+
+
+def group_layout(layout, g: LayerGroup):
+    """The layout of one layer group's pools: the pool's, with the group's block count and spec; a
+    sliding group (window > 0) has no compact region (the compact tier holds the global layers' aged blocks)."""
+    changes = {}
+    if g.num_blocks != layout.num_blocks:
+        changes["num_blocks"] = g.num_blocks
+    if g.spec is not None and g.spec != layout.spec:
+        changes["spec"] = g.spec
+    if g.window and layout.num_compact_blocks:
+        changes.update(compact=None, num_compact_blocks=0)
+    return dataclasses.replace(layout, **changes) if changes else layout
 
 
 def grouped_pool_bytes(layout, groups: list[LayerGroup] | None) -> int:
@@ -511,13 +537,7 @@ def grouped_pool_bytes(layout, groups: list[LayerGroup] | None) -> int:
     compact region, if any, belongs to the first group's (global) layers. groups=None: layout.total_bytes."""
     if not groups:
         return layout.total_bytes
-    total = 0
-    for i, lay in enumerate(layer_layouts(layout, groups)):
-        sizes = lay.layer_tensor_bytes()
-        if i not in groups[0].layers:  # a sliding group's layer has no compact region
-            sizes.pop("compact_codes", None), sizes.pop("compact_scales", None)
-        total += sum(sizes.values())
-    return total
+    return sum(sum(lay.layer_tensor_bytes().values()) for lay in layer_layouts(layout, groups))
 
 
 def window_blocks_needed(window: int, block_size: int, new_tokens: int) -> int:

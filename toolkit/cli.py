@@ -242,6 +242,13 @@ def export_cmd(
     compact_blocks: int = typer.Option(
         0, "--compact-blocks", help="Blocks of a compact region (the compact tier: aged blocks re-quantized to fewer "
         "bits by the runtime's adaptive policy); 0: none, the model as without it."),
+    compact_spec: Optional[str] = typer.Option(
+        None, "--compact-spec", help="Spec of the compact region's records (bits, groups, symmetry; rotation, tail "
+        "and sink follow --spec), e.g. default:k_bits=4,k_group=256,v_bits=2,v_group=256. Default: K4/V3 groups of 64."),
+    sliding_spec: Optional[str] = typer.Option(
+        None, "--sliding-spec", help="KV spec of the sliding-window layers (Gemma 3: 15 of 18 layers), e.g. "
+        "best:k_bits=6,v_bits=4; it may change bits, groups and symmetry only. Default: --spec for every layer. "
+        "Not yet readable by the Android runner or conversation files (save/restore/spill)."),
 ):
     """Compile MODEL's attention to the paged op and export it (ONNX and/or ExecuTorch .pte).
     The export is written next to --out and moved there only when it is complete."""
@@ -253,11 +260,12 @@ def export_cmd(
     formats = ("onnx", "pte") if format == "all" else (format,)
     check_options(formats, onnx_weights, pte_weights, max_tokens_per_call, max_logits_rows)
     s = resolve_spec(spec).validate() if spec is not None else None  # None: the model type's default
-    req = PoolRequest(pool_tokens, pool_mb, max_seqs, block_size, compact_blocks).check()
+    sliding = resolve_spec(sliding_spec).validate() if sliding_spec is not None else None
+    req = PoolRequest(pool_tokens, pool_mb, max_seqs, block_size, compact_blocks, compact_spec).check()
     check_out_dir(Path(out).expanduser().absolute(), force)
     man = export_artifacts(
         model, out, formats, s, req, onnx_weights=onnx_weights, pte_weights=pte_weights,
-        max_tokens_per_call=max_tokens_per_call, max_logits_rows=max_logits_rows, force=force,
+        max_tokens_per_call=max_tokens_per_call, max_logits_rows=max_logits_rows, force=force, sliding_spec=sliding,
     )
     pool = man["pool"]
     console.print(

@@ -21,10 +21,10 @@ from transformers import AttentionInterface
 import dataclasses
 
 import toolkit.paged_attention  # noqa: F401  (registers torch.ops.pagedkv)
-from toolkit.block_pool import LayerGroup
+from toolkit.block_pool import LayerGroup, group_layout
 from toolkit.errors import UnsupportedModelError
 from toolkit.model_dims import ModelDims, text_config, layer_windows, model_dims  # noqa: F401  (re-exported)
-from toolkit.kv_spec import compact_spec_for
+from toolkit.kv_spec import check_group_spec, compact_spec_for
 from toolkit.pool_layout import PoolLayout
 from toolkit.quant import KVQuantSpec, resolve_spec
 
@@ -115,6 +115,7 @@ class PagedContext:
     block_tables: list  # per layer group: [S, M] int64
     layer_group: tuple  # layer -> index of its group
     windows: tuple  # per group: 0 or the window its table was trimmed to
+    layer_specs: tuple  # layer -> its KV spec (its group's own, else the pool's)
     functional: bool = False
     new_pools: dict = field(default_factory=dict)  # layer -> (codes, scales, stage), functional only
     compact_pools: dict = field(default_factory=dict)  # layer -> (compact codes, compact scales): the mixed op
@@ -150,7 +151,7 @@ def paged_attention_forward(
             f"layer {layer} attends with sliding_window={sliding_window}, but its layer group keeps only the last "
             f"{ctx.windows[g]} positions: the config's layer_types/sliding_window disagree with the model."
         )
-    scalars = op_scalar_args(ctx.layout.spec, d, layer, scale, sliding_window or 0, softcap or 0.0)
+    scalars = op_scalar_args(ctx.layer_specs[layer], d, layer, scale, sliding_window or 0, softcap or 0.0)
     codes, scales, stage = ctx.pools[layer]
     tail = (ctx.positions, ctx.seq_ids, ctx.block_tables[g], sinks.float())
     if layer in ctx.compact_pools:  # the compact tier: the table may name compact blocks (ids >= num_blocks)
@@ -210,14 +211,9 @@ class PagedModel(nn.Module):
                 self.register_buffer(f"compact_scales_{i}", cscales, persistent=False)
 
     def layer_layout(self, layer: int) -> PoolLayout:
-        """The layout of one layer's pool tensors (its group's block count; the compact region is the
-        global group's only)."""
-        g = self.groups[self.layer_group[layer]]
-        lay = self.layout if g.num_blocks == self.layout.num_blocks else dataclasses.replace(self.layout,
-                                                                                              num_blocks=g.num_blocks)
-        if g.window and lay.num_compact_blocks:
-            lay = dataclasses.replace(lay, compact=None, num_compact_blocks=0)
-        return lay
+        """The layout of one layer's pool tensors (its group's block count and spec; the compact region
+        is the global group's only): toolkit.block_pool.group_layout."""
+        return group_layout(self.layout, self.groups[self.layer_group[layer]])
 
     def compact_pool_tensors(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """layer -> (compact_codes, compact_scales) of each layer with a compact region ({} without one)."""
@@ -249,7 +245,9 @@ class PagedModel(nn.Module):
                 f"{len(tables)} block table(s) given, the model has {len(self.groups)} layer group(s): pass one per group."
             )
         windows = tuple(g.window for g in self.groups)
-        ctx = PagedContext(self.layout, pools, positions, seq_ids, list(tables), self.layer_group, windows, functional,
+        specs = tuple(self.layer_layout(i).spec for i in range(self.layout.num_layers))
+        ctx = PagedContext(self.layout, pools, positions, seq_ids, list(tables), self.layer_group, windows, specs,
+                           functional,
                            compact_pools=self.compact_pool_tensors() if compact is None else compact)
         out = self.hf(
             input_ids=input_ids, position_ids=positions[None], use_cache=False, pagedkv=ctx, return_dict=True,
@@ -293,6 +291,21 @@ class FunctionalPagedModel(nn.Module):
         return (logits, *flat)
 
 
+def with_sliding_spec(groups: list[LayerGroup] | None, spec: KVQuantSpec, sliding: KVQuantSpec,
+                      head_dim: int) -> list[LayerGroup] | None:
+    """The layer groups with `sliding` as the spec of each sliding group (check_group_spec against the
+    pool's `spec`); the global group keeps the pool's. A spec equal to the pool's sets nothing."""
+    check_group_spec(spec, sliding, head_dim)
+    if not groups or not any(g.window for g in groups):
+        raise UnsupportedModelError("a sliding spec needs sliding-window layers; this model has only global ones "
+                                    "(drop --sliding-spec).")
+    if groups[0].window:
+        raise UnsupportedModelError("every layer of this model slides: give their spec as --spec, not --sliding-spec.")
+    if sliding == spec:
+        return groups
+    return [dataclasses.replace(g, spec=sliding) if g.window else g for g in groups]
+
+
 def compile(
     model: nn.Module,
     spec: str | KVQuantSpec = "default",
@@ -303,6 +316,8 @@ def compile(
     sliding_blocks: int | None = None,
     groups: bool = True,
     compact_blocks: int = 0,
+    sliding_spec: str | KVQuantSpec | None = None,
+    compact_spec: str | KVQuantSpec | None = None,
 ) -> PagedModel:
     """Rewrite `model`'s attention to the paged op (in place on the HF model) and wrap it with a pool.
 
@@ -312,7 +327,11 @@ def compile(
 
     compact_blocks=N > 0 adds a compact region of N blocks (the compact tier, issue 25; spec
     compact_spec_for(spec)) to the global group's layers, which then call the mixed op; 0 (the default)
-    is exactly the model without one."""
+    is exactly the model without one. compact_spec: the region's record fields (compact_spec_for; default
+    COMPACT_SPEC).
+
+    sliding_spec: the sliding groups' own KV spec (toolkit.kv_spec.check_group_spec: other bits, groups
+    or symmetry than `spec`); None (the default): every layer stores `spec`."""
     preflight(model.config)
     spec = resolve_spec(spec)
     dims = model_dims(model.config)
@@ -320,13 +339,16 @@ def compile(
         raise UnsupportedModelError(
             f"{dims.num_heads} query heads are not a multiple of {dims.num_kv_heads} KV heads."
         )
-    compact = compact_spec_for(spec, dims.head_dim) if compact_blocks else None
+    compact = compact_spec_for(spec, dims.head_dim, compact_spec and resolve_spec(compact_spec)) \
+        if compact_blocks else None
     layout = PoolLayout(spec, dims.num_layers, dims.num_kv_heads, dims.head_dim, block_size, num_blocks, max_seqs,
                         compact=compact, num_compact_blocks=compact_blocks)
     grouped = layer_groups(model.config, num_blocks, sliding_blocks) if groups else None
     if compact_blocks and grouped and grouped[0].window:
         raise UnsupportedModelError("compact_blocks needs global-attention layers (the compact tier holds aged "
                                     "blocks of the global layer group); this model has only sliding layers.")
+    if sliding_spec is not None:
+        grouped = with_sliding_spec(grouped, spec, resolve_spec(sliding_spec), dims.head_dim)
     model.set_attn_implementation(ATTN_NAME)
     model.eval()
     return PagedModel(model, layout, grouped)

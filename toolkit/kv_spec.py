@@ -94,6 +94,25 @@ class KVQuantSpec:
         return " ".join([k, v] + extras)
 
 
+# the fields a layer group's own spec may change (the record's widths); the others (rotate, fp_tail,
+# sink_blocks) shape the stage rows and the sink, which every layer of a sequence shares
+GROUP_SPEC_FIELDS = ("k_bits", "v_bits", "k_group", "v_group", "k_sym", "v_sym")
+
+
+def check_group_spec(pool: KVQuantSpec, group: KVQuantSpec, head_dim: int, where: str = "the sliding spec") -> KVQuantSpec:
+    """A layer group's own spec (e.g. `export --sliding-spec`) against the pool's: both quantized, equal but
+    for GROUP_SPEC_FIELDS, valid for head_dim. Returns it; SpecError (one line) otherwise."""
+    group.validate(head_dim)
+    if pool.is_float or group.is_float:
+        raise SpecError(f"{where} {group.describe()} with the pool's {pool.describe()}: a layer group's own spec "
+                        "needs quantized specs on both sides (a float pool has one spec for every layer).")
+    other = [f for f in ("rotate", "fp_tail", "sink_blocks") if getattr(group, f) != getattr(pool, f)]
+    if other:
+        raise SpecError(f"{where} differs from the pool's spec in {', '.join(other)}: a layer group may change "
+                        f"only {', '.join(GROUP_SPEC_FIELDS)}; keep the others as in {pool.describe()}.")
+    return group
+
+
 def _divisors_hint(n: int) -> str:
     return ", ".join(str(d) for d in (8, 16, 32, 64, 128) if n % d == 0) or "1"
 
@@ -286,10 +305,11 @@ def fp16_bytes_per_token(num_kv_heads: int, head_dim: int, num_layers: int = 1) 
 COMPACT_SPEC = KVQuantSpec(4, 3, 64, 64, True, False, True, True, 1)
 
 
-def compact_spec_for(spec: KVQuantSpec, head_dim: int) -> KVQuantSpec:
-    """COMPACT_SPEC for a conversation in `spec`: its rotation, fp_tail and sink_blocks (checked)."""
-    return check_compact(spec, COMPACT_SPEC.replace(rotate=spec.rotate, fp_tail=spec.fp_tail,
-                                                    sink_blocks=spec.sink_blocks), head_dim)
+def compact_spec_for(spec: KVQuantSpec, head_dim: int, compact: KVQuantSpec | None = None) -> KVQuantSpec:
+    """The compact tier's spec for a conversation in `spec`: `compact`'s record fields (default COMPACT_SPEC;
+    e.g. `export --compact-spec`) with the conversation's rotation, fp_tail and sink_blocks (checked)."""
+    return check_compact(spec, (compact or COMPACT_SPEC).replace(rotate=spec.rotate, fp_tail=spec.fp_tail,
+                                                                 sink_blocks=spec.sink_blocks), head_dim)
 
 
 def check_compact(spec: KVQuantSpec, compact: KVQuantSpec, head_dim: int) -> KVQuantSpec:

@@ -2,12 +2,14 @@
 between export, the runtimes, deploy and the Android runner.
 
 {
-  "format_version": 1,
+  "format_version": 1 (2 when a layer group has its own spec, see "groups"),
   "model": {"name", "model_type", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
             "eos_token_ids", "weights_sha256" (optional: weights_sha256() of the weights exported)},
   "pool": PoolLayout.to_dict() (spec, shapes, dtypes, bytes_per_token, largest_allocation_bytes, ...; with a
            compact region also compact, num_compact_blocks, compact_codes_shape, compact_scales_shape: the
            runtime allocates that region, and the graphs take it as inputs compact_codes_i/compact_scales_i),
+  "groups": the layer groups of a model with sliding-window layers (optional; LayerGroup.to_dict(): window,
+            layers, num_blocks, and spec when the group stores its own, POOL_FORMAT.md),
   "artifacts": {"onnx": {"file", "sha256", "inputs", "outputs", ...}, "pte": {...}},
   "tokenizer_files": [...],
   "chat_template": the tokenizer's Jinja chat template (optional; the Android runner renders it),
@@ -42,6 +44,9 @@ from toolkit.pool_layout import PoolLayout
 MANIFEST_NAME = "pagedkv.json"
 DIGEST_NAME = MANIFEST_NAME + ".sha256"
 FORMAT_VERSION = 1
+# a manifest whose layer groups carry their own KV spec (export --sliding-spec): readers of version 1
+# (the Android runner today) would size those layers' pools wrong, so they refuse it
+GROUP_SPEC_FORMAT_VERSION = 2
 ARTIFACT_KINDS = ("onnx", "pte")
 # Packages whose version must match between export and run (the kernels are ABI-tied to executorch).
 PINNED_PACKAGES = ("pagedkv", "torch", "executorch", "onnxruntime")
@@ -247,11 +252,14 @@ def validate_manifest(m, where: str = MANIFEST_NAME, require: tuple[str, ...] = 
     if not isinstance(m, dict):
         _fail(where, f"the manifest must be a JSON object, not {type(m).__name__}")
     fv = m.get("format_version")
-    if not _is_int(fv) or fv != FORMAT_VERSION:
+    if not _is_int(fv) or fv not in (FORMAT_VERSION, GROUP_SPEC_FORMAT_VERSION):
         raise ArtifactError(
-            f"{where} has format_version {json.dumps(fv)}, this pagedkv reads {FORMAT_VERSION}: re-export with this "
-            "version."
+            f"{where} has format_version {json.dumps(fv)}, this pagedkv reads {FORMAT_VERSION} and "
+            f"{GROUP_SPEC_FORMAT_VERSION}: re-export with this version."
         )
+    if fv != format_version(m):
+        _fail(where, f"format_version {fv} does not match its layer groups (version {GROUP_SPEC_FORMAT_VERSION} "
+                     "exactly when a group has its own spec)")
     for key in ("artifacts",) + tuple(require):
         if key not in m:
             _fail(where, f"it has no '{key}' section")
@@ -323,10 +331,17 @@ def read_manifest(art_dir: Path, require: tuple[str, ...] = ()) -> dict:
     return parse_manifest(data, str(path), require)
 
 
+def format_version(manifest: dict) -> int:
+    """The format a manifest is written in: GROUP_SPEC_FORMAT_VERSION when a layer group has its own spec."""
+    groups = manifest.get("groups")
+    own = isinstance(groups, list) and any(isinstance(g, dict) and g.get("spec") is not None for g in groups)
+    return GROUP_SPEC_FORMAT_VERSION if own else FORMAT_VERSION
+
+
 def write_manifest(art_dir: Path, manifest: dict) -> Path:
     """Write pagedkv.json (with format_version and this installation's versions) and its sha256 beside it.
     The manifest is validated first: a bad one is never written."""
-    manifest = dict(manifest, format_version=FORMAT_VERSION, versions=package_versions())
+    manifest = dict(manifest, format_version=format_version(manifest), versions=package_versions())
     validate_manifest(manifest, "the manifest to write")
     data = (json.dumps(manifest, indent=2) + "\n").encode("utf-8")
     path = Path(art_dir) / MANIFEST_NAME
@@ -429,14 +444,18 @@ def layout_from_manifest(manifest: dict) -> PoolLayout:
 # The graph against the manifest
 
 
-def pool_identity(layout: PoolLayout) -> dict:
+def pool_identity(layout: PoolLayout, groups=None) -> dict:
     """What a graph bakes in about its pool (everything but the block count, which runtimes size):
-    stored in the ONNX graph's metadata at export, compared with the manifest at load."""
+    stored in the ONNX graph's metadata at export, compared with the manifest at load. groups (LayerGroup
+    list): the specs of the groups that have their own ("group_specs", group index -> spec; only then)."""
     d = layout.to_dict()
     out = {"spec": d["spec"], **{k: d[k] for k in ("num_layers", "num_kv_heads", "head_dim", "block_size",
                                                      "max_seqs", "codes_dtype")}}
     if layout.num_compact_blocks:  # the compact spec the mixed nodes bake in (not the region's block count)
         out["compact"] = d["compact"]
+    own = {str(i): g.to_dict()["spec"] for i, g in enumerate(groups or []) if g.spec is not None}
+    if own:
+        out["group_specs"] = own
     return out
 
 
@@ -466,7 +485,7 @@ def check_identity(where: str, want: dict, graph_identity: str | None) -> None:
 
 
 def check_graph_pool(where: str, layout: PoolLayout, names: list[str], graph_inputs: list[tuple[str, list, str]],
-                     graph_identity: str | None) -> None:
+                     graph_identity: str | None, groups=None) -> None:
     """Compare a loaded graph with the manifest. graph_inputs: (name, shape with ints or symbols,
     onnx type string) per input; graph_identity: the JSON in the graph's metadata (None if absent).
     Generic over the manifest's input list: every name it lists must be an input of the graph with
@@ -476,20 +495,28 @@ def check_graph_pool(where: str, layout: PoolLayout, names: list[str], graph_inp
     if have != list(names):
         raise ArtifactError(f"{where}: the graph's inputs {have[:6]}... are not the manifest's {list(names)[:6]}...: "
                             "the manifest does not belong to this model; re-run `pagedkv export`.")
-    check_identity(where, pool_identity(layout), graph_identity)
-    shapes = {"codes": layout.codes_shape(), "scales": layout.scales_shape(), "stage": layout.stage_shape()}
-    dtypes = {"codes": layout.codes_dtype_name, "scales": "float16", "stage": "float16"}
-    if layout.num_compact_blocks:  # compact_codes_i / compact_scales_i (the compact region, read-only inputs)
-        shapes.update(compact_codes=layout.compact_codes_shape(), compact_scales=layout.compact_scales_shape())
-        dtypes.update(compact_codes="uint8", compact_scales="float16")
+    from toolkit.block_pool import layer_layouts
+
+    check_identity(where, pool_identity(layout, groups), graph_identity)
+    layouts = layer_layouts(layout, groups)  # each layer's widths: its group's spec
+
+    def shapes(lay: PoolLayout) -> dict:
+        out = {"codes": lay.codes_shape(), "scales": lay.scales_shape(), "stage": lay.stage_shape()}
+        if layout.num_compact_blocks:  # compact_codes_i / compact_scales_i (the compact region, read-only inputs)
+            out.update(compact_codes=layout.compact_codes_shape(), compact_scales=layout.compact_scales_shape())
+        return out
+
+    dtypes = {"codes": layout.codes_dtype_name, "scales": "float16", "stage": "float16", "compact_codes": "uint8",
+              "compact_scales": "float16"}
     for name, shape, kind in graph_inputs:
         prefix, _, idx = name.rpartition("_")
-        if prefix not in shapes or not idx.isdigit():
+        if prefix not in dtypes or not idx.isdigit() or int(idx) >= len(layouts) or \
+                prefix.startswith("compact") and not layout.num_compact_blocks:
             if name == "block_tables" and shape and isinstance(shape[0], int) and shape[0] != layout.max_seqs:
                 raise ArtifactError(f"{where}: block_tables has {shape[0]} rows but the manifest's pool has "
                                     f"max_seqs={layout.max_seqs}; re-run `pagedkv export`.")
             continue
-        want = shapes[prefix]
+        want = shapes(layouts[int(idx)])[prefix]
         fixed_ok = len(shape) == len(want) and all(not isinstance(g, int) or g == w for g, w in zip(shape, want))
         if not fixed_ok or _ORT_DTYPES.get(kind) != dtypes[prefix]:
             raise ArtifactError(f"{where}: input {name} is {kind} {list(shape)} but the manifest's pool gives "

@@ -231,12 +231,15 @@ def budget_terms(layout: PoolLayout, groups=None) -> tuple[int, int]:
 
     groups (toolkit.block_pool.LayerGroup list, as in the manifest; None: every layer in one group): the
     budget sizes group 0's block count; every other group's pools keep their num_blocks (a sliding
-    group's window) and count as fixed. Each layer's block costs the same (one spec)."""
-    per_layer_block = layout.bytes_per_token // layout.num_layers * layout.block_size
+    group's window) and count as fixed, each layer's block in its group's spec (the pool's if it has none)."""
+    def block_bytes(spec, layers: int) -> int:
+        return bytes_per_token(spec, layout.num_kv_heads, layout.head_dim, layers) * layout.block_size
+
     if not groups:
-        return per_layer_block * layout.num_layers, layout.fixed_bytes
-    fixed = layout.fixed_bytes + sum(per_layer_block * len(g.layers) * g.num_blocks for g in groups[1:])
-    return per_layer_block * len(groups[0].layers), fixed
+        return block_bytes(layout.spec, layout.num_layers), layout.fixed_bytes
+    fixed = layout.fixed_bytes + sum(block_bytes(g.spec or layout.spec, len(g.layers)) * g.num_blocks
+                                     for g in groups[1:])
+    return block_bytes(layout.spec, len(groups[0].layers)), fixed
 
 
 def blocks_for_budget(layout: PoolLayout, budget_bytes: float, groups=None) -> int:

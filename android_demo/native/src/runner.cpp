@@ -128,6 +128,10 @@ void Runner::Impl::refresh_stats() {
 void Runner::Impl::load_manifest(const std::string& dir) {
   const Json m = read_json(dir + "/pagedkv.json", "manifest");
   try {
+    if (m["format_version"].as_int() == 2)  // toolkit/manifest.py GROUP_SPEC_FORMAT_VERSION
+      throw RunnerError(ErrorCode::kArtifact, "pagedkv.json format_version 2: its sliding layers store their own "
+                                              "KV spec, which this runner does not read yet; re-export without "
+                                              "--sliding-spec.");
     if (m["format_version"].as_int() != 1)
       throw RunnerError(ErrorCode::kArtifact, "pagedkv.json format_version " +
                                                   std::to_string(m["format_version"].as_int()) +
