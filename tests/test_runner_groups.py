@@ -240,3 +240,93 @@ def test_groups_entry_inconsistent_with_the_pte_is_one_line_exit_2(host_cli, exp
     err = [ln for ln in p.stderr.splitlines() if ln.startswith("pagedkv-runner:")]
     assert p.returncode == 2 and len(err) == 1 and needles[family] in err[0] and "export" in err[0], p.stderr
     assert p.stdout == ""
+
+
+# the sliding layers' own spec (export --sliding-spec; tests/test_groups.py SLIDING_SPEC): manifest format 2
+SLIDING_SPEC = "default:k_bits=5,v_bits=3,v_group=16"
+
+
+@pytest.fixture(scope="module")
+def sliding_spec_export(tokenizer, tmp_path_factory):
+    """Tiny Gemma 3 (window 16) exported to .pte with the default spec and SLIDING_SPEC on its sliding layer."""
+    from export.artifacts import PoolRequest, export_artifacts
+
+    art = tmp_path_factory.mktemp("groups-sliding-spec") / "artifacts"
+    export_artifacts("tiny-gemma3", art, formats=("pte",), spec="default", sliding_spec=SLIDING_SPEC,
+                     pool=PoolRequest(pool_tokens=512, max_seqs=1, block_size=BS), max_tokens_per_call=CALL,
+                     model_and_tokenizer=(tiny("gemma3", FAMILIES["gemma3"]), tokenizer))
+    return art
+
+
+def test_runner_reads_a_sliding_spec_export_as_the_engine_does(host_cli, sliding_spec_export, prompt):
+    """Format 2: the runner sizes the sliding layer's pool in its own spec, generates the tokens the Python
+    engine generates on the same .pte, and counts each group's blocks in its spec (as budget_terms)."""
+    from runtime_sim.session import open_artifacts
+    from toolkit.block_pool import group_layout
+
+    art = sliding_spec_export
+    man = json.loads((art / "pagedkv.json").read_text())
+    assert man["format_version"] == 2 and man["groups"][1]["spec"] is not None
+    p = run_cli(host_cli, art, prompt[0], "--json")
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    engine = open_artifacts(art, "executorch")
+    engine.prefill_chunk = CALL
+    c = engine.new_conversation()
+    assert r["generated"] == list(engine.generate(c, prompt[1], max_new_tokens=DECODE))
+    layout = PoolLayout.from_dict(man["pool"])
+    groups = [LayerGroup.from_dict(g) for g in man["groups"]]
+    want = [group_layout(layout, g).bytes_per_token // layout.num_layers * len(g.layers) * BS for g in groups]
+    assert [g["bytes_per_block"] for g in r["groups"]] == want
+    assert want[1] < want[0]  # one layer each: K5/V3 records are smaller than K8/V4's
+    assert [g["used_blocks"] for g in r["groups"]] == [g["used_blocks"] for g in engine.stats()["groups"]]
+    assert budget_terms(layout, groups) == (
+        want[0], r["pool_fixed_bytes"] + want[1] * r["groups"][1]["total_blocks"])
+
+
+def _version_1(man):
+    man["format_version"] = 1
+
+
+def _rotation_differs(man):
+    man["groups"][1]["spec"]["rotate"] = not man["groups"][1]["spec"]["rotate"]
+
+
+def _global_group_spec(man):
+    man["groups"][0]["spec"] = man["groups"][1]["spec"]
+
+
+def _wider_records(man):
+    """A group spec whose records are not the .pte's: the program's pool tensors disagree."""
+    man["groups"][1]["spec"]["k_bits"] = 8
+
+
+def _pool_rotation_differs(man):
+    """The pool's spec edited (its groups' too, so that they agree): the .pte's pool identity catches it."""
+    for spec in (man["pool"]["spec"], man["groups"][1]["spec"]):
+        spec["rotate"] = not spec["rotate"]
+
+
+@pytest.mark.parametrize("change,needle", [
+    (_pool_rotation_differs, "differs in spec"),
+    (_version_1, "format_version 1 disagree"),
+    (_rotation_differs, "rotate/fp_tail/sink_blocks differ"),
+    (_global_group_spec, "not a sliding group"),
+    (_wider_records, "differs in group_specs"),
+])
+def test_sliding_spec_manifest_tampered_is_one_line_exit_2(host_cli, sliding_spec_export, prompt, tmp_path, change,
+                                                           needle):
+    bad = edit_manifest(sliding_spec_export, tmp_path, change)
+    p = run_cli(host_cli, bad, prompt[0], "--json")
+    err = [ln for ln in p.stderr.splitlines() if ln.startswith("pagedkv-runner:")]
+    assert p.returncode == 2 and len(err) == 1 and needle in err[0] and "export" in err[0], p.stderr
+    assert p.stdout == ""
+
+
+def test_sliding_spec_export_refuses_save_in_one_line(host_cli, sliding_spec_export, prompt, tmp_path):
+    """Conversation files hold one spec: saving a format-2 pool is refused (exit 2), no file is written."""
+    out = tmp_path / "conv.pkvc"
+    p = run_cli(host_cli, sliding_spec_export, prompt[0], "--save", out)
+    err = [ln for ln in p.stderr.splitlines() if ln.startswith("pagedkv-runner:")]
+    assert p.returncode == 2 and len(err) == 1 and "--sliding-spec" in err[0], p.stderr
+    assert not out.exists()

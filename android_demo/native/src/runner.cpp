@@ -126,13 +126,12 @@ void Runner::Impl::refresh_stats() {
 }
 
 void Runner::Impl::load_manifest(const std::string& dir) {
-  const Json m = read_json(dir + "/pagedkv.json", "manifest");
+  manifest = read_json(dir + "/pagedkv.json", "manifest");
+  const Json& m = manifest;
   try {
-    if (m["format_version"].as_int() == 2)  // toolkit/manifest.py GROUP_SPEC_FORMAT_VERSION
-      throw RunnerError(ErrorCode::kArtifact, "pagedkv.json format_version 2: its sliding layers store their own "
-                                              "KV spec, which this runner does not read yet; re-export without "
-                                              "--sliding-spec.");
-    if (m["format_version"].as_int() != 1)
+    // 1, or 2 when a layer group stores its own spec (toolkit/manifest.py GROUP_SPEC_FORMAT_VERSION;
+    // checked against the groups in load_groups)
+    if (m["format_version"].as_int() != 1 && m["format_version"].as_int() != 2)
       throw RunnerError(ErrorCode::kArtifact, "pagedkv.json format_version " +
                                                   std::to_string(m["format_version"].as_int()) +
                                                   ", this runner reads 1: re-export with a matching pagedkv.");
@@ -290,7 +289,8 @@ bool Runner::Impl::pool_views(std::vector<LayerPool>* out) const {
   const size_t stage_one = static_cast<size_t>(2 * 2) * kv_heads * block_size * head_dim * 2;
   for (int l = 0; l < num_layers; ++l) {
     const size_t nb = static_cast<size_t>(groups[static_cast<size_t>(layer_group[static_cast<size_t>(l)])].num_blocks);
-    const size_t want[3] = {nb * rec * code_bytes, scale_bytes ? nb * rec * scale_bytes : 2,
+    const GroupRecord& r = group_rec[static_cast<size_t>(layer_group[static_cast<size_t>(l)])];
+    const size_t want[3] = {nb * rec * r.code_bytes, r.scale_bytes ? nb * rec * r.scale_bytes : 2,
                             (has_stage ? static_cast<size_t>(max_seqs) : 1) * stage_one};
     uint8_t** dst[3] = {&(*out)[static_cast<size_t>(l)].codes, &(*out)[static_cast<size_t>(l)].scales,
                         &(*out)[static_cast<size_t>(l)].stage};
@@ -326,6 +326,37 @@ std::vector<Runner::Impl::LayerPool> Runner::Impl::ensure_pool_views() {
     throw RunnerError(ErrorCode::kState, "the kernels' pool buffers are not this runner's: save or restore from the "
                                          "process that runs this runner only.");
   return v;
+}
+
+// A layer group's own spec (export --sliding-spec; toolkit/kv_spec.py check_group_spec): a sliding group
+// other than the first, quantized like the pool, differing from it only in the record's bits, groups
+// and symmetry. Returns its record's bytes.
+Runner::Impl::GroupRecord Runner::Impl::group_record(const Json& sp, size_t g,
+                                                     const std::function<RunnerError(const std::string&)>& bad) const {
+  const std::string which = "group " + std::to_string(g);
+  if (!sp.is_object()) throw bad("gives " + which + " a spec that is not an object");
+  if (g == 0 || groups[g].window == 0) throw bad("gives " + which + " (not a sliding group after the first) its own spec");
+  auto num = [&](const char* k) -> int64_t {
+    const Json* v = sp.find(k);
+    if (!v) throw bad("gives " + which + " a spec without " + k);
+    return v->is_number() ? v->as_int() : (v->as_bool() ? 1 : 0);
+  };
+  if (conv_spec.k_bits == 16 || conv_spec.k_bits == 32)
+    throw bad("gives " + which + " its own spec beside a float pool (a float pool has one spec)");
+  if ((num("rotate") != 0) != (conv_spec.rotate != 0) || (num("fp_tail") != 0) != (conv_spec.fp_tail != 0) ||
+      num("sink_blocks") != static_cast<int64_t>(conv_spec.sink_blocks))
+    throw bad("gives " + which + " a spec whose rotate/fp_tail/sink_blocks differ from the pool's");
+  const int64_t kb = num("k_bits"), vb = num("v_bits"), kg = num("k_group"), vg = num("v_group");
+  auto group_ok = [&](int64_t n) { return n == 0 || (n >= 1 && n <= head_dim && head_dim % n == 0); };
+  if (kb < 2 || kb > 8 || vb < 2 || vb > 8 || !group_ok(kg) || !group_ok(vg) || (head_dim * kb) % 8 ||
+      (head_dim * vb) % 8)
+    throw bad("gives " + which + " an invalid spec (K" + std::to_string(kb) + "/V" + std::to_string(vb) + " groups " +
+              std::to_string(kg) + "/" + std::to_string(vg) + " for head_dim " + std::to_string(head_dim) + ")");
+  const RecordBits b{static_cast<int>(kb), static_cast<int>(vb), static_cast<int>(kg), static_cast<int>(vg),
+                     num("k_sym") != 0, num("v_sym") != 0};
+  int cb = 0, scales = 0;
+  record_widths(b, head_dim, &cb, &scales);
+  return GroupRecord{static_cast<uint32_t>(cb), static_cast<uint32_t>(2 * scales), true};
 }
 
 // The manifest's "groups" entry (runtime_sim.session.manifest_groups): [{"window", "layers", "num_blocks"}],
@@ -372,6 +403,13 @@ void Runner::Impl::load_groups(const Json& m, const Json& pte, const std::string
     for (int i = 0; i < num_layers; ++i)
       if (layer_group[static_cast<size_t>(i)] < 0) throw bad("leaves layer " + std::to_string(i) + " out");
   }
+  group_rec.assign(groups.size(), GroupRecord{code_bytes, scale_bytes, false});
+  if (grouped)
+    for (size_t g = 0; g < groups.size(); ++g)
+      if (const Json* sp = (*gs)[g].find("spec"); sp && !sp->is_null()) group_rec[g] = group_record(*sp, g, bad);
+  if ((m["format_version"].as_int() == 2) != has_group_specs())
+    throw bad("and format_version " + std::to_string(m["format_version"].as_int()) +
+              " disagree (version 2 exactly when a group has its own spec)");
   for (size_t g = 0; g < groups.size(); ++g)
     for (int i : groups[g].layers) layer_group[static_cast<size_t>(i)] = static_cast<int>(g);
   peak_used.assign(groups.size(), 0);
@@ -528,6 +566,87 @@ std::string Runner::Impl::render(const std::vector<std::pair<std::string, std::s
   }
 }
 
+namespace {
+
+// Deep equality of two JSON values (objects as key sets, like Python's dict ==).
+bool json_same(const Json& a, const Json& b) {
+  if (a.type() != b.type()) return false;
+  switch (a.type()) {
+    case Json::Type::kNull: return true;
+    case Json::Type::kBool: return a.as_bool() == b.as_bool();
+    case Json::Type::kNumber: return a.as_number() == b.as_number();
+    case Json::Type::kString: return a.as_string() == b.as_string();
+    case Json::Type::kArray:
+      if (a.size() != b.size()) return false;
+      for (size_t i = 0; i < a.size(); ++i)
+        if (!json_same(a[i], b[i])) return false;
+      return true;
+    case Json::Type::kObject:
+      if (a.size() != b.size()) return false;
+      for (const auto& [k, v] : a.members())
+        if (const Json* w = b.find(k); !w || !json_same(v, *w)) return false;
+      return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+// The .pte's pool identity (its constant method pagedkv_pool, export/executorch_export.py) must be the
+// manifest's (toolkit/manifest.py pool_identity: the pool's spec and shape fields, its compact spec,
+// and the layer groups' own specs): a manifest edited or mixed up with another export is one line,
+// before any memory is sized from it (runtime_sim/backends.py check_pte_pool).
+void Runner::Impl::check_pool_identity(const std::string& pte) const {
+  static const char* kMethod = "pagedkv_pool";  // toolkit/manifest.py PTE_POOL_METHOD
+  auto names = module->method_names();
+  if (!names.ok() || !names->count(kMethod))
+    throw RunnerError(ErrorCode::kArtifact, pte + " carries no pool description (" + kMethod +
+                                                "): it was not made by this `pagedkv export`; re-run it.");
+  auto out = module->execute(kMethod);
+  if (!out.ok() || out->empty() || !(*out)[0].isTensor())
+    throw RunnerError(ErrorCode::kModel, "ExecuTorch could not run " + pte + "'s " + kMethod + " method: re-export it.");
+  const auto& t = (*out)[0].toTensor();
+  const std::string text(reinterpret_cast<const char*>(t.const_data_ptr<uint8_t>()), static_cast<size_t>(t.numel()));
+  std::vector<std::string> diff;
+  try {
+    const Json got = Json::parse(text);
+    const Json& pool = manifest["pool"];
+    size_t want_keys = 0;
+    for (const char* k : {"spec", "num_layers", "num_kv_heads", "head_dim", "block_size", "max_seqs", "codes_dtype"}) {
+      ++want_keys;
+      if (const Json* g = got.find(k); !g || !json_same(*g, pool[k])) diff.push_back(k);
+    }
+    if (const Json* c = pool.find("compact"); c && !c->is_null()) {
+      ++want_keys;
+      if (const Json* g = got.find("compact"); !g || !json_same(*g, *c)) diff.push_back("compact");
+    } else if (got.find("compact")) {
+      diff.push_back("compact");
+    }
+    // group index -> spec, for each layer group that stores its own
+    std::vector<std::pair<std::string, const Json*>> own;
+    if (const Json* gs = manifest.find("groups"); gs && gs->is_array())
+      for (size_t i = 0; i < gs->size(); ++i)
+        if (const Json* sp = (*gs)[i].find("spec"); sp && !sp->is_null()) own.emplace_back(std::to_string(i), sp);
+    const Json* gg = got.find("group_specs");
+    if (!own.empty()) ++want_keys;
+    bool groups_same = own.empty() ? gg == nullptr : gg != nullptr && gg->size() == own.size();
+    for (size_t i = 0; groups_same && i < own.size(); ++i) {
+      const Json* g = gg->find(own[i].first);
+      groups_same = g && json_same(*g, *own[i].second);
+    }
+    if (!groups_same) diff.push_back("group_specs");
+    if (diff.empty() && got.size() != want_keys) diff.push_back("its description");
+  } catch (const std::exception&) {
+    diff = {"its description"};
+  }
+  if (diff.empty()) return;
+  std::string names_list;
+  for (const std::string& d : diff) names_list += (names_list.empty() ? "" : ", ") + d;
+  throw RunnerError(ErrorCode::kArtifact, pte + " was exported for another pool than pagedkv.json describes (differs "
+                                                "in " + names_list + "): the manifest was edited or mixed up; re-run "
+                                                "`pagedkv export`.");
+}
+
 void Runner::Impl::allocate_and_load(const std::string& dir) {
   const std::string pte = dir + "/" + pte_file;
   { std::ifstream f(pte); if (!f) read_text(pte, "program"); }
@@ -535,6 +654,7 @@ void Runner::Impl::allocate_and_load(const std::string& dir) {
   if (module->load() != et::Error::Ok)
     throw RunnerError(ErrorCode::kModel, "ExecuTorch could not load " + pte +
                                              ": is it a .pte from the same executorch version (1.5.1)?");
+  check_pool_identity(pte);
   auto meta = module->method_meta("forward");
   if (!meta.ok()) throw RunnerError(ErrorCode::kModel, pte + " has no 'forward' method: re-export it.");
   const size_t nbuf = meta->num_memory_planned_buffers();

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <array>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -65,6 +66,18 @@ struct Runner::Impl {
   bool sha_known = false;
   ConvSpec conv_spec;
   uint32_t codes_itemsize = 1, code_bytes = 0, scale_bytes = 0;
+  // per layer group, its layers' record bytes: the pool's (code_bytes, scale_bytes) unless the group
+  // stores its own spec (manifest "groups"[g].spec, format_version 2; toolkit.block_pool.group_layout)
+  struct GroupRecord {
+    uint32_t code_bytes = 0, scale_bytes = 0;
+    bool own_spec = false;
+  };
+  std::vector<GroupRecord> group_rec;
+  bool has_group_specs() const {
+    for (const GroupRecord& r : group_rec)
+      if (r.own_spec) return true;
+    return false;
+  }
   bool has_stage = false;
   bool has_logits_rows = false;  // the program's last input selects the rows of the logits
   int manifest_logits_rows = -1;  // the manifest's .pte inputs end with logits_rows (1), do not (0), unlisted (-1)
@@ -135,12 +148,15 @@ struct Runner::Impl {
   int64_t block_bytes_layer() const { return codes_bytes_per_layer / num_blocks; }
   bool per_layer_arenas() const { return layers_per_arena == 1; }
   // codes bytes of one layer: its group's block count (a sliding group's pool is smaller)
+  // and record width (a group with its own spec, format_version 2)
   int64_t codes_bytes_of_layer(int layer) const {
-    return block_bytes_layer() * groups[static_cast<size_t>(layer_group[static_cast<size_t>(layer)])].num_blocks;
+    const size_t g = static_cast<size_t>(layer_group[static_cast<size_t>(layer)]);
+    return static_cast<int64_t>(kv_heads) * block_size * group_rec[g].code_bytes * groups[g].num_blocks;
   }
-  // pool bytes of one block of group g's layers (bytes_per_token covers every layer, each the same)
+  // pool bytes of one block of group g's layers (its records' codes and scales in every KV head)
   int64_t group_block_bytes(size_t g) const {
-    return bytes_per_token / num_layers * static_cast<int64_t>(groups[g].layers.size()) * block_size;
+    return static_cast<int64_t>(kv_heads) * (group_rec[g].code_bytes + group_rec[g].scale_bytes) *
+           static_cast<int64_t>(groups[g].layers.size()) * block_size;
   }
   // the pool bytes a budget must hold whatever group 0's block count: the fixed part and the other
   // groups' blocks (they are always all usable)
@@ -180,10 +196,13 @@ struct Runner::Impl {
   void load_compact(const Json& pool, const std::string& dir);
   bool parse_sha256(const std::string& hex);
   void load_groups(const Json& m, const Json& pte, const std::string& dir);
+  GroupRecord group_record(const Json& spec, size_t g, const std::function<RunnerError(const std::string&)>& bad) const;
   void load_compact_inputs(const std::vector<std::string>& names, const std::string& dir);
   void allocate_compact(size_t alloc_index);
   void load_chat_template(const std::string& dir);
   void allocate_and_load(const std::string& dir);
+  void check_pool_identity(const std::string& pte) const;
+  Json manifest;  // pagedkv.json as read (the .pte's pool identity is compared with it)
   bool pool_views(std::vector<LayerPool>* out) const;
   std::vector<LayerPool> ensure_pool_views();
   std::string render(const std::vector<std::pair<std::string, std::string>>& messages) const;

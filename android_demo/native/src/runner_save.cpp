@@ -33,6 +33,10 @@ std::string json_quote(const std::string& s) {
 
 // The pool as a conversation file without tokens or blocks (what a file must match).
 ConversationFile Runner::Impl::describe_pool() const {
+  if (has_group_specs())  // runtime_sim/conversation_file.py describe: the same refusal
+    throw RunnerError(ErrorCode::kArgument, "conversation files hold one KV spec for every layer, and this pool's "
+                                            "sliding layers store their own (export --sliding-spec): save, restore "
+                                            "and spilling need an export without --sliding-spec.");
   ConversationFile f;
   f.model_sha256 = model_sha;
   f.num_layers = static_cast<uint32_t>(num_layers);
