@@ -23,12 +23,13 @@ from pathlib import Path
 
 from toolkit.errors import ArtifactError, SpecError
 from toolkit.model_dims import ModelDims, layer_windows, model_dims
-from toolkit.pool_layout import MIN_POOL_BLOCKS, VALID_BLOCK_SIZES, PoolLayout
+from toolkit.pool_layout import MIN_POOL_BLOCKS, VALID_BLOCK_SIZES, PoolLayout, budget_terms
 from toolkit.pool_layout import blocks_for_budget as layout_blocks_for_budget
 from toolkit.kv_spec import (
     DEFAULT_SPECS,
     KVQuantSpec,
     bytes_per_token,
+    check_group_spec,
     fp16_bytes_per_token,
     fp_stage_bytes_per_sequence,
     parse_spec,
@@ -117,28 +118,45 @@ def load_windows(model: str | Path | None = None) -> list[int]:
 
 
 def grouped_fit(spec: KVQuantSpec, dims: ModelDims, windows: list[int], ram_bytes: int, block_size: int,
-                max_seqs: int, chunk: int = PLAN_CHUNK) -> dict | None:
+                max_seqs: int, chunk: int = PLAN_CHUNK, sliding_spec: KVQuantSpec | None = None) -> dict | None:
     """Tokens that fit when layers are grouped by attention type (toolkit.block_pool.GroupedBlockPool):
     each sliding layer's pool holds only max_seqs x window_blocks_needed(window, block_size, chunk)
-    blocks; the global layers share the rest of the budget. None for a model without sliding layers."""
-    from toolkit.block_pool import window_blocks_needed
+    blocks, in sliding_spec if given (export --sliding-spec; None: `spec`); the global layers share the
+    rest of the budget (toolkit.pool_layout.blocks_for_budget with those groups, as export sizes them).
+    None for a model without sliding layers."""
+    from toolkit.block_pool import LayerGroup, window_blocks_needed
 
     if not any(windows):
         return None
-    per_layer = bytes_per_token(spec, dims.num_kv_heads, dims.head_dim, 1)
     sliding_blocks = {w: max_seqs * window_blocks_needed(w, block_size, chunk) for w in set(windows) if w}
-    sliding_bytes = sum(sliding_blocks[w] * block_size * per_layer for w in windows if w)
-    free = ram_bytes - pool_fixed_bytes(spec, dims, block_size, max_seqs) - sliding_bytes
+    own = sliding_spec if sliding_spec is not None and sliding_spec != spec else None
+    groups = [LayerGroup(0, tuple(i for i, w in enumerate(windows) if not w), 0)] + [
+        LayerGroup(w, tuple(i for i, x in enumerate(windows) if x == w), sliding_blocks[w], own)
+        for w in sorted(sliding_blocks)]
+    layout = pool_layout(spec, dims, 1, block_size, max_seqs)
+    per_block, fixed = budget_terms(layout, groups)
     n_global = windows.count(0)
-    if free < 0:
+    if ram_bytes < fixed:
         tokens = 0
     elif n_global == 0:
         tokens = None  # only sliding layers: every conversation runs on for ever in a fixed pool
     else:
-        tokens = int(free // (per_layer * n_global * block_size)) * block_size
+        tokens = layout_blocks_for_budget(layout, ram_bytes, groups) * block_size
     return {"global_layers": n_global, "sliding_layers": len(windows) - n_global,
             "sliding_blocks_per_layer": {str(w): n for w, n in sliding_blocks.items()},
-            "sliding_pool_bytes": sliding_bytes, "tokens_fit": tokens}
+            "sliding_pool_bytes": fixed - layout.fixed_bytes, "tokens_fit": tokens,
+            "sliding_spec": (own or spec).describe()}
+
+
+def sliding_spec_for(spec: KVQuantSpec, sliding: KVQuantSpec | None, head_dim: int) -> KVQuantSpec | None:
+    """`sliding` if a pool in `spec` can store its sliding layers in it (toolkit.kv_spec.check_group_spec),
+    else None (e.g. a float pool: one spec for every layer)."""
+    if sliding is None:
+        return None
+    try:
+        return check_group_spec(spec, sliding, head_dim)
+    except SpecError:
+        return None
 
 
 def load_dims(model: str | Path | None = None) -> ModelDims:
@@ -224,10 +242,13 @@ def contiguous_buffer_bytes(dims: ModelDims, ctx: int) -> int:
 
 def plan(config_or_dims=None, ram_bytes: int = 4 * 2**30, specs=None, block_size: int = 16,
          max_seqs: int = 4, ctx: int = DEFAULT_CTX, model_name: str | None = None,
-         windows: list[int] | None = None) -> dict:
+         windows: list[int] | None = None, sliding_spec: str | KVQuantSpec | None = None) -> dict:
     """Per KV spec: exact bytes/token, fixed per-sequence fp16 stage bytes, tokens that fit in
     ram_bytes, the pool's per-layer allocations and its largest single allocation; next to a
-    contiguous fp16 cache (one [layers,2,ctx,kv_heads,head_dim] buffer per conversation)."""
+    contiguous fp16 cache (one [layers,2,ctx,kv_heads,head_dim] buffer per conversation).
+
+    sliding_spec: the sliding layers' own spec (export --sliding-spec) in the grouped estimate of each
+    spec that allows it (sliding_spec_for); a model without sliding layers refuses it."""
     if isinstance(ram_bytes, str):
         ram_bytes = parse_size(ram_bytes)
     if not isinstance(ram_bytes, int) or ram_bytes <= 0:
@@ -245,6 +266,10 @@ def plan(config_or_dims=None, ram_bytes: int = 4 * 2**30, specs=None, block_size
     L, H, D = dims.num_layers, dims.num_kv_heads, dims.head_dim
     if windows is None and (config_or_dims is None or isinstance(config_or_dims, (str, Path))):
         windows = load_windows(config_or_dims)
+    sliding = parse_spec(sliding_spec)[1].validate(D) if isinstance(sliding_spec, str) else sliding_spec
+    if sliding is not None and not any(windows or []):
+        raise SpecError("--sliding-spec needs a model with sliding-window layers; this one has only global ones "
+                        "(drop --sliding-spec).")
     fp16_bpt = fp16_bytes_per_token(H, D, L)
     contig_alloc = contiguous_buffer_bytes(dims, ctx)
     contiguous = {
@@ -276,7 +301,8 @@ def plan(config_or_dims=None, ram_bytes: int = 4 * 2**30, specs=None, block_size
             "tokens_vs_contiguous": (nb * block_size) / contiguous["tokens_fit"] if contiguous["tokens_fit"] else 0.0,
             "conversations_fit": (nb * block_size) // ctx,
             "fits": nb > 0,
-            "grouped": grouped_fit(spec, dims, windows or [0] * L, ram_bytes, block_size, max_seqs),
+            "grouped": grouped_fit(spec, dims, windows or [0] * L, ram_bytes, block_size, max_seqs,
+                                   sliding_spec=sliding_spec_for(spec, sliding, D)),
         }
         if nb > 0:
             layout = pool_layout(spec, dims, nb, block_size, max_seqs)
@@ -299,6 +325,7 @@ def plan(config_or_dims=None, ram_bytes: int = 4 * 2**30, specs=None, block_size
         "max_seqs": max_seqs,
         "ctx": ctx,
         "contiguous_fp16": contiguous,
+        "sliding_spec": sliding.describe() if sliding is not None else None,
         "specs": rows,
     }
 
@@ -324,7 +351,7 @@ def rich_table(result: dict, wide: bool = True):
     cols = ["cache", "spec", "B/token", "vs fp16", "stage/seq", "tokens fit", "x contiguous",
             "allocations", "per layer: codes / scales / stage", "largest alloc"]
     if grouped:  # a model with sliding layers: tokens that fit with one pool per layer group
-        cols.insert(6, "tokens fit (groups)")
+        cols.insert(6, "tokens fit (groups)" if not result.get("sliding_spec") else "tokens fit (groups; sliding spec)")
     keep = [i for i, col in enumerate(cols) if wide or col not in DETAIL_COLUMNS]
     for i in keep:
         name = cols[i]  # the name columns never shrink below their longest word
@@ -354,7 +381,7 @@ def rich_table(result: dict, wide: bool = True):
 
 
 __all__ = [
-    "DEFAULT_CTX", "DEFAULT_SPECS", "DETAIL_COLUMNS", "WIDE_TABLE_COLUMNS", "KNOWN_DIMS", "KNOWN_WINDOWS", "as_dims", "grouped_fit", "load_windows", "blocks_for_budget", "contiguous_buffer_bytes",
+    "DEFAULT_CTX", "DEFAULT_SPECS", "DETAIL_COLUMNS", "WIDE_TABLE_COLUMNS", "KNOWN_DIMS", "KNOWN_WINDOWS", "as_dims", "grouped_fit", "sliding_spec_for", "load_windows", "blocks_for_budget", "contiguous_buffer_bytes",
     "format_bytes", "load_dims", "parse_size", "plan", "pool_fixed_bytes", "pool_layout", "rich_table",
 ]
 

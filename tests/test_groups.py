@@ -192,6 +192,32 @@ def test_plan_tokens_with_and_without_groups():
     assert mistral["tokens_fit"] is None  # only sliding layers: a fixed pool, conversations unbounded
 
 
+def test_plan_with_a_sliding_spec_counts_as_export_sizes_the_pool():
+    """`plan --sliding-spec`: the grouped column counts the sliding layers in their own spec, the tokens
+    export's --pool-mb gives the same model (tiny Gemma 3, groups from the compiler); specs the sliding
+    spec cannot go with (a float pool) keep their own; a model without sliding layers refuses it."""
+    from export.artifacts import PoolRequest, make_layout
+    from runtime_sim.plan import plan
+    from toolkit.kv_spec import resolve_spec
+    from toolkit.tiny_models import tiny_config
+
+    cfg = tiny_config("gemma3")
+    sliding = resolve_spec(SLIDING_SPEC)
+    for mb in (0.5, 3.0):
+        r = plan("gemma3", int(mb * 2**20), ["default", "fp16"], max_seqs=4, sliding_spec=SLIDING_SPEC)
+        quant, flt = r["specs"]
+        assert quant["grouped"]["sliding_spec"] == sliding.describe() == r["sliding_spec"]
+        assert flt["grouped"]["sliding_spec"] == resolve_spec("fp16").describe()
+        without = plan("gemma3", int(mb * 2**20), ["default"], max_seqs=4)["specs"][0]["grouped"]
+        assert quant["grouped"]["tokens_fit"] > without["tokens_fit"]  # K5/V3 windows leave more for global
+        layout = make_layout(cfg, resolve_spec("default"), PoolRequest(pool_mb=mb, max_seqs=4), sliding)
+        assert quant["grouped"]["tokens_fit"] == layout.num_blocks * layout.block_size
+    from toolkit.errors import SpecError
+
+    with pytest.raises(SpecError, match="only global ones"):
+        plan("smollm2", "1GiB", ["default"], sliding_spec=SLIDING_SPEC)
+
+
 # ---------------------------------------------------------------------------------------------- ONNX
 
 

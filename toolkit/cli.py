@@ -248,7 +248,7 @@ def export_cmd(
     sliding_spec: Optional[str] = typer.Option(
         None, "--sliding-spec", help="KV spec of the sliding-window layers (Gemma 3: 15 of 18 layers), e.g. "
         "best:k_bits=6,v_bits=4; it may change bits, groups and symmetry only. Default: --spec for every layer. "
-        "Not yet readable by the Android runner or conversation files (save/restore/spill)."),
+        "Conversation files (save/restore/spill) do not hold such pools yet."),
 ):
     """Compile MODEL's attention to the paged op and export it (ONNX and/or ExecuTorch .pte).
     The export is written next to --out and moved there only when it is complete."""
@@ -455,6 +455,9 @@ def plan_cmd(
                                  "fp16 tail/sink rows per conversation)."),
     ctx: int = typer.Option(8192, "--ctx", help="Max context a contiguous fp16 cache is preallocated for."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of a table."),
+    sliding_spec: Optional[str] = typer.Option(
+        None, "--sliding-spec", help="The sliding-window layers' own KV spec (as `export --sliding-spec`), e.g. "
+        "best:k_bits=6,v_bits=4: the grouped column counts those layers in it, for each --spec it can go with."),
     artifacts: Optional[Path] = typer.Option(None, "--artifacts", help="Also estimate the whole process serving "
                                              "this artifacts dir with a pool of --ram: weights + pool + "
                                              "activations + runtime (the .pte runner, else onnxruntime)."),
@@ -467,7 +470,8 @@ def plan_cmd(
 
     from runtime_sim.plan import WIDE_TABLE_COLUMNS, parse_size, plan as make_plan, rich_table
 
-    result = make_plan(model, parse_size(ram), list(spec or []) or None, block_size, max_seqs, ctx, model_name=model)
+    result = make_plan(model, parse_size(ram), list(spec or []) or None, block_size, max_seqs, ctx, model_name=model,
+                       sliding_spec=sliding_spec)
     if artifacts is not None:
         from runtime_sim.plan import print_process_estimate, whole_process_estimate
 

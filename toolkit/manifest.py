@@ -44,8 +44,8 @@ from toolkit.pool_layout import PoolLayout
 MANIFEST_NAME = "pagedkv.json"
 DIGEST_NAME = MANIFEST_NAME + ".sha256"
 FORMAT_VERSION = 1
-# a manifest whose layer groups carry their own KV spec (export --sliding-spec): readers of version 1
-# (the Android runner today) would size those layers' pools wrong, so they refuse it
+# a manifest whose layer groups carry their own KV spec (export --sliding-spec): a reader of version 1
+# only would size those layers' pools wrong, so it refuses it
 GROUP_SPEC_FORMAT_VERSION = 2
 ARTIFACT_KINDS = ("onnx", "pte")
 # Packages whose version must match between export and run (the kernels are ABI-tied to executorch).
