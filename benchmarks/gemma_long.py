@@ -153,14 +153,17 @@ def export_ours(max_ctx: int, horizon: int | None = None, sliding_spec: str | No
     return out
 
 
-def run_runner(art: Path, ctx: int, steps: int, threads: int) -> dict:
-    """pagedkv-runner on a .pte export: the first ctx tokens of wikitext-2, then `steps` greedy tokens."""
+def run_runner(art: Path, ctx: int, steps: int, threads: int, horizon: int | None = None) -> dict:
+    """pagedkv-runner on a .pte export: the first ctx tokens of wikitext-2, then `steps` greedy tokens.
+    horizon: the runner's adaptive policy with that compact horizon (an export with a compact region)."""
     runner = REPO / "build" / "android-host" / "pagedkv-runner"
     if not runner.is_file():
         sys.exit(f"gemma_long: {runner} is missing: build it with `make native` (android_demo/native/ci_build.sh host)")
     load0 = loadavg()
     p = subprocess.run([str(runner), str(art), "--prompt-file", str(TEXT), "--ctx", str(ctx), "--decode",
-                        str(steps + WARMUP), "--threads", str(threads), "--json"], capture_output=True, text=True)
+                        str(steps + WARMUP), "--threads", str(threads), "--json"] +
+                       (["--policy", "adaptive", "--compact-horizon", str(horizon)] if horizon else []),
+                       capture_output=True, text=True)
     if p.returncode != 0:
         return {"error": p.stderr.strip()[-400:], "loadavg_before_after": [load0, loadavg()]}
     r = json.loads(p.stdout.strip().splitlines()[-1])
@@ -331,10 +334,11 @@ def runner_main(args) -> int:
     pte = man["artifacts"]["pte"]
     report = {"runner": {"artifacts": str(args.runner), "weights": pte.get("weights"), "spec": man.get("spec", {}).get("name"),
                          "max_tokens_per_call": pte.get("max_tokens_per_call"), "threads": args.threads,
+                         "compact_horizon": args.compact_horizon, "groups": man.get("groups"),
                          "cpu": cpu_model(), "prompt": "first ctx tokens of wikitext-2 test, runner's tokenizer, no BOS",
                          "timed": f"{args.steps + WARMUP} decode steps (the runner times all of them)"}}
     for ctx in args.ctx:
-        row = {"ctx": ctx, "runner": run_runner(args.runner, ctx, args.steps, args.threads)}
+        row = {"ctx": ctx, "runner": run_runner(args.runner, ctx, args.steps, args.threads, args.compact_horizon)}
         write_rows(args.out, report, [row])
         r = row["runner"]
         print(f"ctx {ctx}: runner " + (f"failed: {r['error']}" if "error" in r else
