@@ -168,7 +168,7 @@ def run_runner(art: Path, ctx: int, steps: int, threads: int, horizon: int | Non
         return {"error": p.stderr.strip()[-400:], "loadavg_before_after": [load0, loadavg()]}
     r = json.loads(p.stdout.strip().splitlines()[-1])
     keep = ("ttft_s", "prefill_tok_s", "decode_tok_s", "peak_rss_bytes", "kv_bytes", "weights_file_resident_bytes",
-            "kv_pool_resident_bytes", "activations_resident_bytes", "rest_bytes", "isa", "groups")
+            "kv_pool_resident_bytes", "activations_resident_bytes", "rest_bytes", "isa", "groups", "ladder")
     out = {k: r[k] for k in keep if k in r}
     out["prefill_s"] = ctx / r["prefill_tok_s"] if r.get("prefill_tok_s") else None
     out["decoded_tokens"] = len(r["generated"])

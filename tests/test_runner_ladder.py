@@ -107,6 +107,8 @@ def test_runner_ladder_compacts_like_runtime_sim(runner_run, art, tmp_path):
     ref.check_invariants()
     assert {k: ref.stats()["ladder"][k] for k in LADDER_KEYS} == {k: lad[k] for k in LADDER_KEYS}
     assert kinds(ref, c) == r["block_kinds"]
+    # the KV bytes held count the compact blocks in their spec, on both sides
+    assert r["kv_bytes"] == ref.stats()["kv_bytes_in_use"]
     # the whole file: tokens, default records, the compact records C++ re-quantized, stage rows
     ours = tmp_path / "python.pkvc"
     ref.save(c, ours, app=CHAT_APP)

@@ -115,6 +115,9 @@ void Runner::Impl::refresh_stats() {
   s.ladder.spilled_now = 0;
   for (const auto& kv : convs) s.ladder.spilled_now += kv.second.spill.empty() ? 0 : 1;
   s.ladder.compact_blocks_in_use = main.num_compact_blocks() - main.num_free_compact();
+  // compact blocks held, in the compact spec, in the first group's layers (runtime_sim Engine.stats)
+  s.kv_bytes_in_use += static_cast<int64_t>(s.ladder.compact_blocks_in_use) * kv_heads * block_size *
+                       (compact_code_width + 2 * compact_scale_width) * static_cast<int64_t>(groups[0].layers.size());
   s.prefill_tokens = prefill_tokens;
   s.decode_tokens = decode_tokens;
   s.prefill_tok_s = prefill_s > 0 ? prefill_tokens / prefill_s : 0;
