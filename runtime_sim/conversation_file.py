@@ -27,7 +27,9 @@ from toolkit.kv_spec import KVQuantSpec
 
 MAGIC = b"PKVCONV\0"
 VERSION = 2  # what write() writes; read() also reads version 1 (a version-2 file without compact blocks)
-READS = (1, 2)
+# what write() writes when a layer group stores its own spec (export --sliding-spec): each group carries it
+GROUP_SPEC_VERSION = 3
+READS = (1, 2, 3)
 SPEC_FIELDS = ("k_bits", "v_bits", "k_group", "v_group", "k_sym", "v_sym", "rotate", "fp_tail", "sink_blocks")
 ITEMSIZES = (1, 2, 4)  # codes element bytes: uint8, float16, float32
 # sanity bounds: a header field past these is damage, not a real conversation
@@ -50,6 +52,7 @@ class GroupBlocks:
     window: int
     layers: tuple[int, ...]
     present: list[int]
+    spec: KVQuantSpec | None = None  # the group's own spec (version 3); None: the file's spec
 
     @property
     def n_present(self) -> int:
@@ -97,6 +100,15 @@ class ConversationData:
     def n_compact(self) -> int:
         return sum(g.n_compact for g in self.groups)
 
+    def group_record_bytes(self, grp: GroupBlocks) -> tuple[int, int]:
+        """(code_bytes, scale_bytes) of the records of a group's layers: its own spec's, else the file's."""
+        if grp.spec is None:
+            return self.code_bytes, self.scale_bytes
+        from toolkit.kv_spec import record_layout
+
+        rec = record_layout(grp.spec, self.head_dim)
+        return rec.code_width, 2 * rec.scale_width
+
     def record_shape(self, n: int, width: int) -> tuple[int, ...]:
         return (n, self.num_kv_heads, self.block_size, width)
 
@@ -130,12 +142,15 @@ def encode_header(d: ConversationData) -> bytes:
     # without any is the same bytes whether or not the engine that wrote it had a compact region
     compact = [int(getattr(d.compact, k)) for k in SPEC_FIELDS] + [d.compact_code_bytes, d.compact_scale_bytes] \
         if d.n_compact else [0] * (len(SPEC_FIELDS) + 2)
-    parts = [MAGIC, u(VERSION), d.model_sha256,
+    version = GROUP_SPEC_VERSION if any(g.spec is not None for g in d.groups) else VERSION
+    parts = [MAGIC, u(version), d.model_sha256,
              u(d.num_layers, d.num_kv_heads, d.head_dim, d.block_size), u(*spec),
              u(d.codes_itemsize, d.code_bytes, d.scale_bytes, int(d.has_stage)), u(*compact),
              u(len(d.tokens), len(d.pending), len(d.groups))]
-    for g in d.groups:
-        parts += [u(g.window, len(g.layers), *g.layers, len(g.present)), bytes(int(p) for p in g.present)]
+    for g in d.groups:  # version 3: each group's own spec after its window (all zero: the file's spec)
+        own = [int(getattr(g.spec, k)) for k in SPEC_FIELDS] if g.spec is not None else [0] * len(SPEC_FIELDS)
+        parts += [u(g.window, *(own if version >= GROUP_SPEC_VERSION else []), len(g.layers), *g.layers,
+                    len(g.present)), bytes(int(p) for p in g.present)]
     parts += [np.asarray(d.tokens, "<i4").tobytes(), np.asarray(d.pending, "<i4").tobytes(),
               u(len(d.app)), bytes(d.app)]
     return b"".join(parts)
@@ -251,7 +266,7 @@ def parse(raw: bytes, path="(bytes)") -> ConversationData:
         spec = _spec_of(spec_vals).validate(head_dim)
     except PagedKVError as e:
         _fail(path, f"holds an invalid KV spec ({e})")
-    from toolkit.kv_spec import check_compact, record_layout
+    from toolkit.kv_spec import check_compact, check_group_spec, record_layout
 
     rec = record_layout(spec, head_dim)
     want = (4 if spec.k_bits == 32 else 2, 2 * head_dim * (4 if spec.k_bits == 32 else 2), 0) if spec.is_float else \
@@ -271,8 +286,17 @@ def parse(raw: bytes, path="(bytes)") -> ConversationData:
     n_blocks, n_full = -(-n_tokens // bs), n_tokens // bs
     kinds = (HOLE, DEFAULT, COMPACT) if version >= 2 else (HOLE, DEFAULT)
     groups, seen = [], set()
-    for _ in range(n_groups):
-        window, n_layers = r.u32(2, "layer groups")
+    for gi in range(n_groups):
+        (window,) = r.u32(1, "layer groups")
+        own = None
+        if version >= GROUP_SPEC_VERSION and any(vals := r.u32(len(SPEC_FIELDS), "layer groups")):
+            if gi == 0 or not window:  # only a sliding group after the first stores its own spec
+                _fail(path, f"gives layer group {gi} its own spec (damaged)")
+            try:
+                own = check_group_spec(spec, _spec_of(vals), head_dim, f"layer group {gi}'s spec")
+            except PagedKVError as e:
+                _fail(path, f"holds an invalid layer-group spec ({e})")
+        (n_layers,) = r.u32(1, "layer groups")
         if not 1 <= n_layers <= num_layers:
             _fail(path, "has an impossible layer group (damaged)")
         layers = tuple(r.u32(n_layers, "layer groups"))
@@ -285,11 +309,13 @@ def parse(raw: bytes, path="(bytes)") -> ConversationData:
             # compact blocks: only full blocks of a global group, and only with a compact spec
             _fail(path, "has a compact block where none can be (damaged)")
         seen.update(layers)
-        groups.append(GroupBlocks(window, layers, present))
+        groups.append(GroupBlocks(window, layers, present, own))
     if len(seen) != num_layers:
         _fail(path, "has layer groups that do not cover every layer (damaged)")
     if compact is not None and not any(g.n_compact for g in groups):
         _fail(path, "has a compact spec but no compact block (damaged)")
+    if version >= GROUP_SPEC_VERSION and not any(g.spec is not None for g in groups):
+        _fail(path, f"has format version {version} but no layer group with its own spec (damaged)")
     tokens = np.frombuffer(r.take(4 * n_tokens, "tokens"), "<i4").tolist()
     pending = np.frombuffer(r.take(4 * n_pending, "tokens"), "<i4").tolist()
     if any(t < 0 for t in tokens + pending):
@@ -307,10 +333,11 @@ def parse(raw: bytes, path="(bytes)") -> ConversationData:
         return np.frombuffer(r.take(int(np.prod(shape)), what), np.uint8).reshape(shape)
 
     for g in groups:
+        g_code_bytes, g_scale_bytes = d.group_record_bytes(g)
         for i in g.layers:
-            d.codes[i] = records(g.n_present, code_bytes, f"codes of layer {i}")
-            if scale_bytes:
-                d.scales[i] = records(g.n_present, scale_bytes, f"scales of layer {i}")
+            d.codes[i] = records(g.n_present, g_code_bytes, f"codes of layer {i}")
+            if g_scale_bytes:
+                d.scales[i] = records(g.n_present, g_scale_bytes, f"scales of layer {i}")
             if g.n_compact:
                 d.compact_codes[i] = records(g.n_compact, compact_code_bytes, f"compact codes of layer {i}")
                 d.compact_scales[i] = records(g.n_compact, compact_scale_bytes, f"compact scales of layer {i}")
@@ -344,6 +371,10 @@ def check_compatible(d: ConversationData, want: ConversationData, path) -> None:
     need = [(g.window, g.layers) for g in want.groups]
     if have != need:
         _fail(path, f"has layer groups {have}, this engine's are {need}", "restore it with the artifacts that saved it")
+    own = lambda c: [g.spec.describe() if g.spec is not None else None for g in c.groups]  # noqa: E731
+    if own(d) != own(want):
+        _fail(path, f"has layer-group specs {own(d)}, this engine's are {own(want)} (None: the pool's spec)",
+              "restore it with the artifacts that saved it")
     if d.n_compact:  # compact blocks are restored into the engine's compact region, in the same spec
         if want.compact is None:
             _fail(path, f"holds {d.n_compact} block(s) in the compact tier (re-quantized to {d.compact.describe()}), "
@@ -386,13 +417,8 @@ def model_sha256(engine) -> bytes:
 
 def describe(engine) -> ConversationData:
     """The engine's pool as a ConversationData without tokens or blocks (what a file must match)."""
-    from toolkit.block_pool import has_group_specs
     from toolkit.kv_spec import record_layout
 
-    if has_group_specs(engine.groups):
-        raise PagedKVError("conversation files hold one KV spec for every layer, and this pool's sliding layers "
-                           "store their own (export --sliding-spec): save, restore and spilling need an export "
-                           "without --sliding-spec.")
     lay = engine.backend.layout
     itemsize = int(np.dtype(lay.codes_dtype_name).itemsize)
     compact = lay.compact if getattr(lay, "num_compact_blocks", 0) else None
@@ -402,7 +428,7 @@ def describe(engine) -> ConversationData:
         head_dim=lay.head_dim, block_size=lay.block_size, spec=lay.spec, codes_itemsize=itemsize,
         code_bytes=lay.codes_shape()[-1] * itemsize, scale_bytes=0 if lay.spec.is_float else lay.scales_shape()[-1] * 2,
         has_stage=lay.uses_stage, tokens=[], pending=[],
-        groups=[GroupBlocks(g.window, tuple(g.layers), []) for g in engine.groups], compact=compact,
+        groups=[GroupBlocks(g.window, tuple(g.layers), [], g.spec) for g in engine.groups], compact=compact,
         compact_code_bytes=crec.code_width if crec else 0, compact_scale_bytes=2 * crec.scale_width if crec else 0)
 
 
@@ -455,11 +481,12 @@ def capture(engine, cid: int) -> ConversationData:
         ids = np.asarray([b for b in table if 0 <= b < n_default], np.int64)
         cids = np.asarray([b - n_default for b in table if b >= n_default], np.int64)
         carrays = compact_arrays(engine) if len(cids) else {}
+        g_code_bytes, g_scale_bytes = d.group_record_bytes(grp)
         for i in grp.layers:
             codes, scales, _ = arrays[i] if arrays else (None, None, None)
-            d.codes[i] = rows(codes, ids, d.code_bytes)
-            if d.scale_bytes:
-                d.scales[i] = rows(scales, ids, d.scale_bytes)
+            d.codes[i] = rows(codes, ids, g_code_bytes)
+            if g_scale_bytes:
+                d.scales[i] = rows(scales, ids, g_scale_bytes)
             if len(cids):
                 if i not in carrays:
                     raise PagedKVError(f"conversation {cid} holds compact blocks, but the {engine.backend.name} "

@@ -8,6 +8,7 @@ sliding groups hand their blocks back to their pools as the window moves on.
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -398,7 +399,7 @@ def test_sliding_spec_exports_and_runs_on_every_backend(tmp_path, wikitext):
     native ORT kernel, ORT's standard-op fallback (an overload of the op's function with the sliding
     spec baked in), ExecuTorch and the torch op give the same logits over a prompt two windows long and
     the same greedy tokens after it; each sliding layer's pool has the sliding spec's widths; the pool
-    bytes in the stats are what was allocated; conversation files refuse such a pool in one line."""
+    bytes in the stats are what was allocated; a conversation file carries the group's spec."""
     import json
 
     from export.artifacts import PoolRequest, export_artifacts
@@ -445,6 +446,28 @@ def test_sliding_spec_exports_and_runs_on_every_backend(tmp_path, wikitext):
     for name in engines:
         assert abs(logits[name] - want).max() < 1e-3 * max(1.0, abs(want).max()), name
         assert tokens[name] == tokens["torch"], name
+    # a conversation file (version 3) carries the sliding group's spec and records: restored into a fresh
+    # engine on the same export, the next step's logits are the saved conversation's, bit for bit
+    from runtime_sim import conversation_file as cf
+
     e = engines["ort-native"]
-    with pytest.raises(PagedKVError, match="--sliding-spec"):
-        e.save(0, tmp_path / "chat.pkv")
+    path = tmp_path / "chat.pkvc"
+    e.save(0, path)
+    d = cf.read(path)
+    assert path.read_bytes()[8] == cf.GROUP_SPEC_VERSION and [g.spec for g in d.groups] == [None, sliding]
+    assert d.codes[0].shape[-1] == record_layout(sliding, 64).code_width  # layer 0 slides
+    fresh = open_artifacts(art, native=True, prefill_chunk=16)
+    c2 = fresh.restore(path)
+    assert np.array_equal(fresh.step({c2: [tokens["ort-native"][-1]]})[c2], e.step({0: [tokens["ort-native"][-1]]})[0])
+    fresh.check_invariants()
+    # a file whose group specs are not the engine's, or a spec where none may be: one line, nothing changed
+    used = fresh.pool.stats()["used_blocks"]
+    d.groups[1].spec = None
+    with pytest.raises(PagedKVError, match="layer-group specs"):
+        cf.restore_data(fresh, d, path)
+    d.groups[1].spec, d.groups[0].spec = sliding, sliding
+    cf.write(tmp_path / "bad.pkvc", d)
+    with pytest.raises(PagedKVError, match="gives layer group 0 its own spec"):
+        fresh.restore(tmp_path / "bad.pkvc")
+    assert fresh.pool.stats()["used_blocks"] == used
+    fresh.check_invariants()

@@ -322,11 +322,3 @@ def test_sliding_spec_manifest_tampered_is_one_line_exit_2(host_cli, sliding_spe
     assert p.returncode == 2 and len(err) == 1 and needle in err[0] and "export" in err[0], p.stderr
     assert p.stdout == ""
 
-
-def test_sliding_spec_export_refuses_save_in_one_line(host_cli, sliding_spec_export, prompt, tmp_path):
-    """Conversation files hold one spec: saving a format-2 pool is refused (exit 2), no file is written."""
-    out = tmp_path / "conv.pkvc"
-    p = run_cli(host_cli, sliding_spec_export, prompt[0], "--save", out)
-    err = [ln for ln in p.stderr.splitlines() if ln.startswith("pagedkv-runner:")]
-    assert p.returncode == 2 and len(err) == 1 and "--sliding-spec" in err[0], p.stderr
-    assert not out.exists()

@@ -29,10 +29,11 @@ SPLIT = 32  # (b): Python prefills the first 32 tokens (one .pte call), the runn
 CHAT_APP = b'{"system_prompt": null, "messages": []}'  # what the runner stores for a conversation without chat
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "gemma3", "gemma3-sliding-spec"])
 def fixtures(request, tmp_path_factory, wikitext):
     """The artifacts dir: the tiny llama (make_fixtures.py), or a tiny Gemma 3 (a sliding layer with a
-    window of 16 beside a global one: two layer groups, the sliding one with holes in the file)."""
+    window of 16 beside a global one: two layer groups, the sliding one with holes in the file), also
+    with the sliding layer in its own spec (export --sliding-spec: manifest format 2, file version 3)."""
     out = tmp_path_factory.mktemp(f"runner-save-{request.param}")
     if request.param == "llama":
         return tiny_pte_fixtures(out, wikitext, "--spec", "default") / "artifacts"
@@ -41,9 +42,12 @@ def fixtures(request, tmp_path_factory, wikitext):
     from export.artifacts import PoolRequest, export_artifacts
     from tests.test_runner_groups import tiny
 
+    from tests.test_runner_groups import SLIDING_SPEC
+
     export_artifacts("tiny-gemma3", out / "artifacts", formats=("pte",), spec="default",
                      pool=PoolRequest(pool_tokens=512, max_seqs=2, block_size=16), max_tokens_per_call=32,
-                     model_and_tokenizer=(tiny("gemma3", 16), make_fixtures.tiny_bpe_tokenizer(wikitext)))
+                     model_and_tokenizer=(tiny("gemma3", 16), make_fixtures.tiny_bpe_tokenizer(wikitext)),
+                     sliding_spec=SLIDING_SPEC if request.param == "gemma3-sliding-spec" else None)
     return out / "artifacts"
 
 
@@ -184,6 +188,8 @@ def test_runner_rejects_bad_files_in_one_line(host_cli, runner_saved, fixtures, 
     assert p.returncode == 2 and p.stdout == "", (p.returncode, p.stdout, p.stderr)
     # one line of the runner's (ExecuTorch's own "I ..." log lines aside, as in test_runner_cli.py)
     err = [ln for ln in p.stderr.splitlines() if ln.startswith("pagedkv-runner:")]
+    if case == "other-spec" and json.loads((fixtures / "pagedkv.json").read_text())["format_version"] == 2:
+        needle = "holds an invalid layer-group spec"  # the sliding group's own spec no longer fits the pool's
     assert len(err) == 1 and needle in err[0], p.stderr
     assert not out.exists() and path.read_bytes() == bad  # nothing saved, the bad file left as it was
 

@@ -167,7 +167,7 @@ def reseal(data: bytes) -> bytes:
 
 
 def _version(data):
-    return reseal(data[:8] + struct.pack("<I", 3) + data[12:])
+    return reseal(data[:8] + struct.pack("<I", 4) + data[12:])
 
 
 def _spec_field(data):  # rotate 1 -> 0: a valid spec of the same record sizes, but not the engine's
@@ -200,7 +200,7 @@ BAD = {
     "truncated-resealed": (lambda d: reseal(d[:len(d) // 2]), "truncated"),
     "tampered-block": (lambda d: d[:-100] + bytes([d[-100] ^ 1]) + d[-99:], "checksum"),
     "tampered-token": (lambda d: d[:200] + bytes([d[200] ^ 0x40]) + d[201:], "checksum"),
-    "version": (_version, "format version 3"),
+    "version": (_version, "format version 4"),
     "other-spec": (_spec_field, "KV spec"),
     "record-sizes": (_sizes, "record sizes"),
     "extra-bytes": (lambda d: reseal(d[:-4] + b"\0" * 8 + d[-4:]), "unexpected byte"),

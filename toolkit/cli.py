@@ -247,8 +247,7 @@ def export_cmd(
         "and sink follow --spec), e.g. default:k_bits=4,k_group=256,v_bits=2,v_group=256. Default: K4/V3 groups of 64."),
     sliding_spec: Optional[str] = typer.Option(
         None, "--sliding-spec", help="KV spec of the sliding-window layers (Gemma 3: 15 of 18 layers), e.g. "
-        "best:k_bits=6,v_bits=4; it may change bits, groups and symmetry only. Default: --spec for every layer. "
-        "Conversation files (save/restore/spill) do not hold such pools yet."),
+        "best:k_bits=6,v_bits=4; it may change bits, groups and symmetry only. Default: --spec for every layer."),
 ):
     """Compile MODEL's attention to the paged op and export it (ONNX and/or ExecuTorch .pte).
     The export is written next to --out and moved there only when it is complete."""

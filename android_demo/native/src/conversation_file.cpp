@@ -94,6 +94,12 @@ std::string ConvSpec::describe() const {
   return s.str();
 }
 
+void ConversationFile::group_record_bytes(const ConvGroup& g, uint32_t* codes, uint32_t* scales) const {
+  *codes = code_bytes, *scales = scale_bytes;
+  uint32_t item = 0;
+  if (!g.spec.none()) record_sizes(g.spec, head_dim, codes, scales, &item);
+}
+
 size_t ConvGroup::n_present() const {
   size_t k = 0;
   for (uint8_t b : present) k += b == kBlockDefault ? 1 : 0;
@@ -127,8 +133,8 @@ ConversationFile parse_conversation(const uint8_t* data, size_t n, const std::st
     fail(where, "is not a pagedkv conversation file (bad magic)", "give a file written by /save or Engine.save");
   Reader hr{data, n, sizeof(kMagic), where};
   const uint32_t version = hr.u32("header");
-  if (version != 1 && version != 2)
-    fail(where, "has format version " + std::to_string(version) + ", this runner reads 1 and 2",
+  if (version < 1 || version > kConversationGroupSpecVersion)
+    fail(where, "has format version " + std::to_string(version) + ", this runner reads 1, 2 and 3",
          "restore it with the pagedkv that saved it, or save the conversation again");
   if (n < sizeof(kMagic) + 8) fail(where, "is truncated (no checksum)");
   const size_t body = n - 4;
@@ -189,6 +195,17 @@ ConversationFile parse_conversation(const uint8_t* data, size_t n, const std::st
   for (uint32_t g = 0; g < n_groups; ++g) {
     ConvGroup grp;
     grp.window = r.u32("layer groups");
+    if (version >= kConversationGroupSpecVersion) {  // the group's own spec (toolkit/kv_spec.py check_group_spec)
+      uint32_t* gs[] = {&grp.spec.k_bits, &grp.spec.v_bits, &grp.spec.k_group, &grp.spec.v_group, &grp.spec.k_sym,
+                        &grp.spec.v_sym, &grp.spec.rotate, &grp.spec.fp_tail, &grp.spec.sink_blocks};
+      for (uint32_t* v : gs) *v = r.u32("layer groups");
+      const ConvSpec& s = grp.spec;
+      if (!s.none() && (g == 0 || grp.window == 0))
+        fail(where, "gives layer group " + std::to_string(g) + " its own spec (damaged)");
+      if (!s.none() && (!spec_valid(s, f.head_dim) || is_float_bits(s.k_bits) || is_float_bits(f.spec.k_bits) ||
+                        s.rotate != f.spec.rotate || s.fp_tail != f.spec.fp_tail || s.sink_blocks != f.spec.sink_blocks))
+        fail(where, "holds an invalid layer-group spec (" + s.describe() + " for " + f.spec.describe() + ")");
+    }
     const uint32_t nl = r.u32("layer groups");
     if (nl < 1 || nl > f.num_layers) fail(where, "has an impossible layer group (damaged)");
     for (uint32_t i = 0; i < nl; ++i) {
@@ -213,6 +230,8 @@ ConversationFile parse_conversation(const uint8_t* data, size_t n, const std::st
   }
   if (covered != f.num_layers) fail(where, "has layer groups that do not cover every layer (damaged)");
   if (has_compact && !f.n_compact()) fail(where, "has a compact spec but no compact block (damaged)");
+  if (version >= kConversationGroupSpecVersion && !f.has_group_specs())
+    fail(where, "has format version " + std::to_string(version) + " but no layer group with its own spec (damaged)");
   for (auto* v : {&f.tokens, &f.pending}) {
     const uint32_t count = v == &f.tokens ? n_tokens : n_pending;
     const uint8_t* b = r.take(static_cast<size_t>(count) * 4, "tokens");
@@ -235,10 +254,12 @@ ConversationFile parse_conversation(const uint8_t* data, size_t n, const std::st
   };
   for (const ConvGroup& grp : f.groups) {
     const size_t np = grp.n_present(), nc = grp.n_compact();
+    uint32_t gcb = 0, gsb = 0;
+    f.group_record_bytes(grp, &gcb, &gsb);
     for (uint32_t l : grp.layers) {
       const std::string layer = " of layer " + std::to_string(l);
-      records(f.codes[l], np, f.code_bytes, "codes" + layer);
-      if (f.scale_bytes) records(f.scales[l], np, f.scale_bytes, "scales" + layer);
+      records(f.codes[l], np, gcb, "codes" + layer);
+      if (gsb) records(f.scales[l], np, gsb, "scales" + layer);
       if (nc) {
         records(f.compact_codes[l], nc, f.compact_code_bytes, "compact codes" + layer);
         records(f.compact_scales[l], nc, f.compact_scale_bytes, "compact scales" + layer);
@@ -271,7 +292,8 @@ std::vector<uint8_t> encode_conversation(const ConversationFile& f) {
       (f.has_stage && f.stage.size() != f.num_layers))
     bad("one array per layer is needed");
   std::vector<uint8_t> out(kMagic, kMagic + sizeof(kMagic));
-  put_u32(out, kConversationFormatVersion);
+  const uint32_t version = f.has_group_specs() ? kConversationGroupSpecVersion : kConversationFormatVersion;
+  put_u32(out, version);
   put_bytes(out, f.model_sha256.data(), 32);
   // the compact spec and sizes only when the file holds compact blocks (else zeros), as the Python writer
   const bool compact = f.n_compact() > 0;
@@ -291,6 +313,10 @@ std::vector<uint8_t> encode_conversation(const ConversationFile& f) {
   for (const ConvGroup& g : f.groups) {
     if (g.present.size() != n_blocks) bad("a group's present list must have one entry per logical block");
     put_u32(out, g.window);
+    if (version >= kConversationGroupSpecVersion)  // the group's own spec, all zero for the file's
+      for (uint32_t v : {g.spec.k_bits, g.spec.v_bits, g.spec.k_group, g.spec.v_group, g.spec.k_sym, g.spec.v_sym,
+                         g.spec.rotate, g.spec.fp_tail, g.spec.sink_blocks})
+        put_u32(out, v);
     put_u32(out, static_cast<uint32_t>(g.layers.size()));
     for (uint32_t l : g.layers) put_u32(out, l);
     put_u32(out, n_blocks);
@@ -302,12 +328,14 @@ std::vector<uint8_t> encode_conversation(const ConversationFile& f) {
   put_bytes(out, f.app.data(), f.app.size());
   for (const ConvGroup& g : f.groups) {
     const size_t np = g.n_present(), nc = g.n_compact();
+    uint32_t gcb = 0, gsb = 0;
+    f.group_record_bytes(g, &gcb, &gsb);
     for (uint32_t l : g.layers) {
-      if (l >= f.num_layers || f.codes[l].size() != np * f.block_record_bytes(f.code_bytes) ||
-          (f.scale_bytes && f.scales[l].size() != np * f.block_record_bytes(f.scale_bytes)))
+      if (l >= f.num_layers || f.codes[l].size() != np * f.block_record_bytes(gcb) ||
+          (gsb && f.scales[l].size() != np * f.block_record_bytes(gsb)))
         bad("layer " + std::to_string(l) + "'s records do not match its group's present blocks");
       put_bytes(out, f.codes[l].data(), f.codes[l].size());
-      if (f.scale_bytes) put_bytes(out, f.scales[l].data(), f.scales[l].size());
+      if (gsb) put_bytes(out, f.scales[l].data(), f.scales[l].size());
       if (nc) {
         if (f.compact_codes.size() != f.num_layers || f.compact_scales.size() != f.num_layers ||
             f.compact_codes[l].size() != nc * f.block_record_bytes(f.compact_code_bytes) ||
@@ -378,6 +406,12 @@ void check_conversation_compatible(const ConversationFile& f, const Conversation
   for (size_t g = 0; same && g < f.groups.size(); ++g)
     same = f.groups[g].window == want.groups[g].window && f.groups[g].layers == want.groups[g].layers;
   if (!same) fail(where, "has other layer groups than this pool", fix);
+  for (size_t g = 0; g < f.groups.size(); ++g)
+    if (!(f.groups[g].spec == want.groups[g].spec))
+      fail(where, "has other layer-group specs than this pool (group " + std::to_string(g) + ": " +
+                      (f.groups[g].spec.none() ? std::string("the pool's") : f.groups[g].spec.describe()) + ", here " +
+                      (want.groups[g].spec.none() ? std::string("the pool's") : want.groups[g].spec.describe()) + ")",
+           fix);
   if (const size_t nc = f.n_compact()) {  // compact blocks go into the pool's compact region, in its spec
     if (want.compact_spec.none())
       fail(where, "holds " + std::to_string(nc) + " block(s) in the compact tier (re-quantized to " +

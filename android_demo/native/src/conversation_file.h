@@ -1,4 +1,5 @@
-// The pagedkv conversation file (format version 2; version 1 is read too): a conversation's KV blocks
+// The pagedkv conversation file (format version 2, or 3 when a layer group stores its own spec; version 1
+// is read too): a conversation's KV blocks
 // as they lie in the pool (default and compact region), the fp16 stage rows of its sequence slot, its
 // tokens and the identity a reader checks. The
 // format is documented in toolkit/CONVERSATION_FORMAT.md; runtime_sim/conversation_file.py reads and
@@ -20,7 +21,9 @@
 
 namespace pagedkv_rt {
 
-constexpr uint32_t kConversationFormatVersion = 2;  // written; versions 1 and 2 are read
+constexpr uint32_t kConversationFormatVersion = 2;  // written; versions 1, 2 and 3 are read
+// written when a layer group stores its own spec (export --sliding-spec): each group carries it
+constexpr uint32_t kConversationGroupSpecVersion = 3;
 // ConvGroup::present values: a hole, a block of the default region, a block of the compact region (v2)
 constexpr uint8_t kBlockHole = 0, kBlockDefault = 1, kBlockCompact = 2;
 
@@ -36,6 +39,7 @@ struct ConvGroup {
   uint32_t window = 0;             // 0 = global, W = sliding window
   std::vector<uint32_t> layers;    // the group's layers in the engine's order
   std::vector<uint8_t> present;    // per logical block: kBlockHole, kBlockDefault or kBlockCompact
+  ConvSpec spec;                   // the group's own spec (version 3); all zero: the file's spec
   size_t n_present() const;        // default-region blocks (their records in codes/scales)
   size_t n_compact() const;        // compact-region blocks (their records in compact_codes/compact_scales)
 };
@@ -64,6 +68,14 @@ struct ConversationFile {
     size_t k = 0;
     for (const ConvGroup& g : groups) k += g.n_compact();
     return k;
+  }
+
+  // bytes of one record of a group's layers (codes, scales): its own spec's, else code_bytes/scale_bytes
+  void group_record_bytes(const ConvGroup& g, uint32_t* codes, uint32_t* scales) const;
+  bool has_group_specs() const {
+    for (const ConvGroup& g : groups)
+      if (!g.spec.none()) return true;
+    return false;
   }
 
   size_t block_record_bytes(uint32_t width) const {  // one block of one layer

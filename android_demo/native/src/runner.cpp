@@ -359,7 +359,10 @@ Runner::Impl::GroupRecord Runner::Impl::group_record(const Json& sp, size_t g,
                      num("k_sym") != 0, num("v_sym") != 0};
   int cb = 0, scales = 0;
   record_widths(b, head_dim, &cb, &scales);
-  return GroupRecord{static_cast<uint32_t>(cb), static_cast<uint32_t>(2 * scales), true};
+  auto u = [&](const char* k) { return static_cast<uint32_t>(num(k)); };
+  return GroupRecord{static_cast<uint32_t>(cb), static_cast<uint32_t>(2 * scales), true,
+                     ConvSpec{u("k_bits"), u("v_bits"), u("k_group"), u("v_group"), u("k_sym"), u("v_sym"),
+                              u("rotate"), u("fp_tail"), u("sink_blocks")}};
 }
 
 // The manifest's "groups" entry (runtime_sim.session.manifest_groups): [{"window", "layers", "num_blocks"}],
@@ -406,7 +409,7 @@ void Runner::Impl::load_groups(const Json& m, const Json& pte, const std::string
     for (int i = 0; i < num_layers; ++i)
       if (layer_group[static_cast<size_t>(i)] < 0) throw bad("leaves layer " + std::to_string(i) + " out");
   }
-  group_rec.assign(groups.size(), GroupRecord{code_bytes, scale_bytes, false});
+  group_rec.assign(groups.size(), GroupRecord{code_bytes, scale_bytes, false, ConvSpec{}});
   if (grouped)
     for (size_t g = 0; g < groups.size(); ++g)
       if (const Json* sp = (*gs)[g].find("spec"); sp && !sp->is_null()) group_rec[g] = group_record(*sp, g, bad);

@@ -71,6 +71,7 @@ struct Runner::Impl {
   struct GroupRecord {
     uint32_t code_bytes = 0, scale_bytes = 0;
     bool own_spec = false;
+    ConvSpec spec;  // the group's own spec (all zero without one), as a conversation file stores it
   };
   std::vector<GroupRecord> group_rec;
   bool has_group_specs() const {

@@ -33,10 +33,6 @@ std::string json_quote(const std::string& s) {
 
 // The pool as a conversation file without tokens or blocks (what a file must match).
 ConversationFile Runner::Impl::describe_pool() const {
-  if (has_group_specs())  // runtime_sim/conversation_file.py describe: the same refusal
-    throw RunnerError(ErrorCode::kArgument, "conversation files hold one KV spec for every layer, and this pool's "
-                                            "sliding layers store their own (export --sliding-spec): save, restore "
-                                            "and spilling need an export without --sliding-spec.");
   ConversationFile f;
   f.model_sha256 = model_sha;
   f.num_layers = static_cast<uint32_t>(num_layers);
@@ -56,6 +52,7 @@ ConversationFile Runner::Impl::describe_pool() const {
   for (const LayerGroup& g : groups) {
     ConvGroup cg;
     cg.window = static_cast<uint32_t>(g.window);
+    cg.spec = group_rec[f.groups.size()].spec;  // a group's own spec (file version 3), else all zero
     for (int l : g.layers) cg.layers.push_back(static_cast<uint32_t>(l));
     f.groups.push_back(cg);
   }
@@ -92,6 +89,7 @@ ConversationFile Runner::Impl::capture(Conv& c) {
       const int b = i < static_cast<int>(table.size()) ? table[static_cast<size_t>(i)] : -1;
       cg.present.push_back(b < 0 ? kBlockHole : b < nd ? kBlockDefault : kBlockCompact);
     }
+    const size_t cb = rec * group_rec[gi].code_bytes, sb = rec * group_rec[gi].scale_bytes;  // one block's
     for (int l : groups[gi].layers) {
       const LayerPool& v = views[static_cast<size_t>(l)];
       auto& codes = f.codes[static_cast<size_t>(l)];
@@ -99,9 +97,8 @@ ConversationFile Runner::Impl::capture(Conv& c) {
       for (int i = 0; i < nb; ++i) {
         if (cg.present[static_cast<size_t>(i)] != kBlockDefault) continue;
         const size_t b = static_cast<size_t>(table[static_cast<size_t>(i)]);
-        codes.insert(codes.end(), v.codes + b * rec * code_bytes, v.codes + (b + 1) * rec * code_bytes);
-        if (scale_bytes)
-          scales.insert(scales.end(), v.scales + b * rec * scale_bytes, v.scales + (b + 1) * rec * scale_bytes);
+        codes.insert(codes.end(), v.codes + b * cb, v.codes + (b + 1) * cb);
+        if (sb) scales.insert(scales.end(), v.scales + b * sb, v.scales + (b + 1) * sb);
       }
       if (!cg.n_compact()) continue;
       const uint8_t* cc = compact_region(l, false);
@@ -211,6 +208,7 @@ int Runner::Impl::restore_seq(const ConversationFile& f, const std::string& path
       for (int i = 0; i < nb; ++i)
         if ((t[static_cast<size_t>(i)] >= 0) != (f.groups[gi].present[static_cast<size_t>(i)] != kBlockHole))
           throw bad("holds blocks of layer group " + std::to_string(gi) + " that its window would not keep (damaged)");
+      const size_t cb = rec * group_rec[gi].code_bytes, sb = rec * group_rec[gi].scale_bytes;  // one block's
       for (int l : groups[gi].layers) {
         const LayerPool& v = views[static_cast<size_t>(l)];
         size_t k = 0, kc = 0;  // the file's k-th default and kc-th compact block of this layer
@@ -226,11 +224,8 @@ int Runner::Impl::restore_seq(const ConversationFile& f, const std::string& path
             continue;
           }
           const size_t b = static_cast<size_t>(id);
-          std::memcpy(v.codes + b * rec * code_bytes, f.codes[static_cast<size_t>(l)].data() + k * rec * code_bytes,
-                      rec * code_bytes);
-          if (scale_bytes)
-            std::memcpy(v.scales + b * rec * scale_bytes,
-                        f.scales[static_cast<size_t>(l)].data() + k * rec * scale_bytes, rec * scale_bytes);
+          std::memcpy(v.codes + b * cb, f.codes[static_cast<size_t>(l)].data() + k * cb, cb);
+          if (sb) std::memcpy(v.scales + b * sb, f.scales[static_cast<size_t>(l)].data() + k * sb, sb);
           ++k;
         }
       }

@@ -70,7 +70,7 @@ static ConversationFile runner_pool(const ConversationFile& f) {
   want.num_layers = f.num_layers, want.num_kv_heads = f.num_kv_heads, want.head_dim = f.head_dim;
   want.block_size = f.block_size, want.spec = f.spec, want.codes_itemsize = f.codes_itemsize;
   want.code_bytes = f.code_bytes, want.scale_bytes = f.scale_bytes, want.has_stage = f.has_stage;
-  for (const ConvGroup& g : f.groups) want.groups.push_back(ConvGroup{g.window, g.layers, {}});
+  for (const ConvGroup& g : f.groups) want.groups.push_back(ConvGroup{g.window, g.layers, {}, g.spec});
   return want;
 }
 
@@ -84,7 +84,7 @@ static ConversationFile sample() {
   for (int i = 0; i < 40; ++i) f.tokens.push_back(3 + i);
   f.pending = {99};
   f.app = "{\"messages\": []}";
-  f.groups = {ConvGroup{0, {1}, {1, 1, 1}}, ConvGroup{24, {0}, {0, 1, 1}}};
+  f.groups = {ConvGroup{0, {1}, {1, 1, 1}, {}}, ConvGroup{24, {0}, {0, 1, 1}, {}}};
   f.codes.resize(2), f.scales.resize(2), f.stage.resize(2);
   for (uint32_t l = 0; l < 2; ++l) {
     const size_t np = l == 1 ? 3 : 2;
@@ -155,8 +155,8 @@ static int selftest() {
   });
   s.run("another version", [&] {
     std::vector<uint8_t> b = bytes;
-    b[8] = 3;
-    CHECK(throws_with([&] { parse_conversation(b.data(), b.size(), "mem"); }, "format version 3"));
+    b[8] = 4;
+    CHECK(throws_with([&] { parse_conversation(b.data(), b.size(), "mem"); }, "format version 4"));
   });
   // version 1: the same layout without the 11 compact fields after has_stage (byte 112), holes and
   // default blocks only; it reads as the version-2 file without compact blocks
