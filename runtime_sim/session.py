@@ -154,14 +154,18 @@ def make_backend(art_dir: Path, manifest: dict, backend: str, native: bool | Non
 def open_artifacts(art_dir, backend: str = "onnxruntime", native: bool | None = None, threads: int = 0,
                    prefill_chunk: int | None = None, pool_mb: float | None = None,
                    pool_fraction: float | None = None, policy: str = "error") -> Engine:
+    """An engine on an artifacts dir. policy: one of runtime_sim.engine.POLICIES, or "auto": adaptive for an
+    export with a compact region (its compact tier is the adaptive policy's first rung), else error."""
     art_dir = Path(art_dir)
-    if policy not in POLICIES:
-        raise PagedKVError(f"unknown pool policy '{policy}': use one of {', '.join(POLICIES)}.")
+    if policy not in POLICIES + ("auto",):
+        raise PagedKVError(f"unknown pool policy '{policy}': use one of auto, {', '.join(POLICIES)}.")
     if backend not in BACKENDS:
         raise PagedKVError(f"unknown backend '{backend}': use one of {', '.join(BACKENDS)}.")
     manifest = read_manifest(art_dir, require=("model", "pool"))
     be = make_backend(art_dir, manifest, backend, native=native, threads=threads, pool_mb=pool_mb,
                       pool_fraction=pool_fraction)
+    if policy == "auto":
+        policy = "adaptive" if be.layout.num_compact_blocks else "error"
     chunk = prefill_chunk or manifest.get("artifacts", {}).get("pte", {}).get("max_tokens_per_call", 64)
     engine = Engine(be, load_tokenizer(art_dir, manifest), prefill_chunk=min(chunk, 64), policy=policy,
                     sink_blocks=max(1, be.layout.spec.sink_blocks))

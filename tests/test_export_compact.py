@@ -100,6 +100,8 @@ def test_mixed_table_logits_match_the_torch_model(compact_artifacts, backend, na
     engine = open_artifacts(art, backend, native=native, prefill_chunk=16)
     if backend == "onnxruntime":
         assert engine.backend.native is bool(native)
+        # `pagedkv run/chat --policy auto` (their default): the compact tier's ladder on such an export
+        assert open_artifacts(art, backend, native=native, policy="auto").policy == "adaptive"
     ref = _reference(engine, family)
     a, b = engine.new_conversation(), ref.new_conversation()
     engine.prefill(a, PROMPT)

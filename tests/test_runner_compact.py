@@ -58,6 +58,7 @@ def test_runner_runs_a_compact_pte_like_runtime_sim(host_cli, art, wikitext, tmp
     p = run_cli(host_cli, art, wikitext, "--save", saved)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["ladder"]["policy"] == "adaptive"  # --policy auto (the default) on a .pte with a compact region
     # the prompt's ids as the runner encoded them: the saved file's first CTX tokens (no compact block in it)
     f = cf.read(saved)
     ids = list(f.tokens[:CTX])

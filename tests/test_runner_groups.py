@@ -106,6 +106,7 @@ def test_grouped_runner_greedy_equals_hf_and_sliding_blocks_return(host_cli, exp
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["generated"] == ref
+    assert r["ladder"]["policy"] == "error"  # --policy auto (the default) without a compact region
     # the last generated token is not fed: the cache holds PROMPT + DECODE - 1 tokens
     length = PROMPT + DECODE - 1
     assert [(g["window"], g["layers"], g["total_blocks"]) for g in r["groups"]] == \

@@ -89,8 +89,8 @@ def check_runtime_options(pool_mb, pool_fraction, threads, policy, backend):
     check_number("--pool-mb", pool_mb, 0, 2**20, lo_open=True)
     check_number("--pool-fraction", pool_fraction, 0, 1, lo_open=True)
     check_number("--threads", threads, 0, None, what=" (0 = the runtime's default)")
-    if policy not in ("error", "evict", "sliding", "adaptive"):
-        _bad(f"unknown pool policy '{policy}': use error, evict, sliding or adaptive.")
+    if policy not in ("auto", "error", "evict", "sliding", "adaptive"):
+        _bad(f"unknown pool policy '{policy}': use auto, error, evict, sliding or adaptive.")
     if backend not in ("onnxruntime", "executorch", "torch"):
         _bad(f"unknown backend '{backend}': use onnxruntime, executorch or torch.")
 
@@ -297,7 +297,9 @@ def run(
     pool_mb: Optional[float] = typer.Option(None, help="Pool budget in MiB, allocated at startup (onnxruntime/torch; "
                                             "at most the exported pool; sliding layers' window blocks first)."),
     pool_fraction: Optional[float] = typer.Option(None, help="Pool budget as a fraction of available RAM."),
-    policy: str = typer.Option("error", help="When the pool is full: error, evict (LRU chat), sliding, or adaptive (spill idle chats to disk, then slide)."),
+    policy: str = typer.Option("auto", help="When the pool is full: error, evict (LRU chat), sliding, or adaptive "
+                               "(compact aged blocks, spill idle chats to disk, then slide); auto: adaptive for an "
+                               "export with a compact region (--compact-blocks), else error."),
     threads: int = typer.Option(0, "--threads", "-t", help="Threads of the runtime (onnxruntime's intra-op pool / "
                                 "ExecuTorch's threadpool / torch), which the attention kernel shares; 0 = its default."),
 ):
@@ -349,7 +351,9 @@ def chat(
     pool_mb: Optional[float] = typer.Option(None, help="Pool budget in MiB, allocated at startup (onnxruntime/torch; "
                                             "at most the exported pool; sliding layers' window blocks first)."),
     pool_fraction: Optional[float] = typer.Option(None, help="Pool budget as a fraction of available RAM."),
-    policy: str = typer.Option("error", help="When the pool is full: error, evict (LRU chat), sliding, or adaptive (spill idle chats to disk, then slide)."),
+    policy: str = typer.Option("auto", help="When the pool is full: error, evict (LRU chat), sliding, or adaptive "
+                               "(compact aged blocks, spill idle chats to disk, then slide); auto: adaptive for an "
+                               "export with a compact region (--compact-blocks), else error."),
     threads: int = typer.Option(0, "--threads", "-t", help="Threads of the runtime (onnxruntime's intra-op pool / "
                                 "ExecuTorch's threadpool / torch), which the attention kernel shares; 0 = its default."),
 ):

@@ -866,8 +866,9 @@ static int32_t sample(const std::vector<float>& logits, const Sampling& s, std::
 }
 
 Runner::Runner(const RunnerConfig& cfg) : impl_(new Impl) {
-  if (cfg.policy != "error" && cfg.policy != "sliding" && cfg.policy != "adaptive")
-    throw RunnerError(ErrorCode::kArgument, "unknown pool policy '" + cfg.policy + "': use one of error, sliding, adaptive.");
+  if (cfg.policy != "auto" && cfg.policy != "error" && cfg.policy != "sliding" && cfg.policy != "adaptive")
+    throw RunnerError(ErrorCode::kArgument, "unknown pool policy '" + cfg.policy + "': use one of auto, error, sliding, "
+                                            "adaptive.");
   if (cfg.compact_horizon < 1)
     throw RunnerError(ErrorCode::kArgument, "compact horizon " + std::to_string(cfg.compact_horizon) + " is invalid: give "
                                             "the number of recent tokens a conversation keeps in the default region (>= 1, e.g. 1024).");
@@ -877,6 +878,8 @@ Runner::Runner(const RunnerConfig& cfg) : impl_(new Impl) {
   impl_->cfg = cfg;
   const std::string& dir = cfg.artifacts_dir;
   impl_->load_manifest(dir);
+  if (impl_->cfg.policy == "auto")  // the compact tier is the adaptive ladder's first rung
+    impl_->cfg.policy = impl_->num_compact_blocks ? "adaptive" : "error";
   try {
     tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::from_file(dir + "/tokenizer.json"));
   } catch (const std::exception& e) {

@@ -49,7 +49,8 @@ struct RunnerConfig {
   // conversation drops its oldest default block after the first sink_blocks (its K/V lost, positions kept);
   // "adaptive" = the ladder: compact aged blocks (those ending >= compact_horizon tokens back) of idle
   // conversations, least recently used first, then of the active one (needs a .pte with a compact region),
-  // then spill idle conversations to spill_dir (restored without prefill on their next use), then slide.
+  // then spill idle conversations to spill_dir (restored without prefill on their next use), then slide;
+  // "auto" = adaptive for a .pte with a compact region, else error.
   std::string policy = "error";
   int compact_horizon = 1024;     // adaptive: recent tokens a conversation keeps in the default region
   int sink_blocks = 0;            // sliding / adaptive: leading blocks never dropped (0 = max(1, the spec's sink_blocks))

@@ -15,8 +15,9 @@
 // toolkit/CONVERSATION_FORMAT.md: Engine.save or --save), without prefill; its tokens must be the first
 // ones of the prompt, and only the rest of the prompt is fed. --save FILE: after the run, the
 // conversation (its blocks, tokens and pending token) is written to FILE (--json: "saved_bytes").
-// --policy error|sliding|adaptive (default error): what happens when a call needs blocks that are not
-// free (RunnerConfig::policy; the pool must then hold --ctx + --decode only with policy error);
+// --policy auto|error|sliding|adaptive (default auto: adaptive for a .pte with a compact region, else
+// error): what happens when a call needs blocks that are not free (RunnerConfig::policy; the pool must
+// then hold --ctx + --decode only with policy error);
 // --compact-horizon N: adaptive's compact rung moves blocks ending >= N tokens back (default 1024);
 // --spill-dir DIR: adaptive's spill rung writes idle conversations there (one conversation here: never
 // taken, kept for the app's runner). --json reports "ladder" (the rungs taken, runtime_sim's
@@ -50,7 +51,7 @@ namespace {
 const char* kUsage =
     "usage: pagedkv-runner ARTIFACTS --prompt-file F --ctx N --decode N [--threads N] [--budget-mb M] "
     "[--prefill-chunk N] "
-    "[--isa NAME] [--json] [--restore FILE] [--save FILE] [--policy error|sliding|adaptive] [--compact-horizon N] "
+    "[--isa NAME] [--json] [--restore FILE] [--save FILE] [--policy auto|error|sliding|adaptive] [--compact-horizon N] "
     "[--spill-dir DIR]";
 
 int64_t parse_int(const std::string& flag, const char* v, int64_t lo) {
@@ -104,7 +105,7 @@ double now_s() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string art, prompt_file, isa, save_path, restore_path, policy = "error", spill_dir;
+  std::string art, prompt_file, isa, save_path, restore_path, policy = "auto", spill_dir;
   int64_t ctx = -1, decode = -1, threads = 0, budget_mb = 0, horizon = 1024;
   bool json = false;
   int64_t prefill_chunk = 0;  // tokens per prefill call (RunnerConfig::prefill_chunk; 0: the .pte's maximum)
@@ -168,7 +169,7 @@ int main(int argc, char** argv) {
 
     // a pool whose group 0 is global must hold every token; a model with only sliding layers holds a
     // window per conversation whatever the length (its pool was sized for that at export)
-    if (const PoolStats s0 = r.stats(); policy == "error" && (s0.groups.empty() || s0.groups[0].window == 0)) {
+    if (const PoolStats s0 = r.stats(); s0.ladder.policy == "error" && (s0.groups.empty() || s0.groups[0].window == 0)) {
       const int64_t room = static_cast<int64_t>(s0.usable_blocks) * s0.block_size;
       if (ctx + decode > room)
         fail("--ctx " + std::to_string(ctx) + " + --decode " + std::to_string(decode) + " tokens do not fit the pool: " +
