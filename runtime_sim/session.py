@@ -88,7 +88,6 @@ def check_threads(threads: int) -> int:
 def manifest_groups(manifest: dict):
     """The manifest's layer groups (toolkit.block_pool.LayerGroup), or None for one global group."""
     from toolkit.block_pool import LayerGroup
-
     from toolkit.kv_spec import check_group_spec
 
     groups = manifest.get("groups")

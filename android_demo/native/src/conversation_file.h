@@ -31,7 +31,7 @@ struct ConvSpec {  // KVQuantSpec's fields in the file's order (booleans 0/1)
   uint32_t k_bits = 0, v_bits = 0, k_group = 0, v_group = 0, k_sym = 0, v_sym = 0, rotate = 0, fp_tail = 0,
            sink_blocks = 0;
   bool operator==(const ConvSpec& o) const;
-  bool none() const { return k_bits == 0; }  // the all-zero spec: no compact blocks
+  bool none() const { return k_bits == 0; }  // the all-zero spec: no compact blocks / the file's spec
   std::string describe() const;
 };
 
