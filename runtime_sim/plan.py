@@ -134,7 +134,7 @@ def grouped_fit(spec: KVQuantSpec, dims: ModelDims, windows: list[int], ram_byte
         LayerGroup(w, tuple(i for i, x in enumerate(windows) if x == w), sliding_blocks[w], own)
         for w in sorted(sliding_blocks)]
     layout = pool_layout(spec, dims, 1, block_size, max_seqs)
-    per_block, fixed = budget_terms(layout, groups)
+    fixed = budget_terms(layout, groups)[1]  # the sliding groups' blocks and the fixed bytes
     n_global = windows.count(0)
     if ram_bytes < fixed:
         tokens = 0

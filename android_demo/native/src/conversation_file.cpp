@@ -94,6 +94,17 @@ std::string ConvSpec::describe() const {
   return s.str();
 }
 
+std::string group_spec_problem(const ConvSpec& pool, const ConvSpec& group, uint32_t head_dim) {
+  if (is_float_bits(pool.k_bits) || is_float_bits(group.k_bits))
+    return "a layer group's own spec needs quantized specs on both sides (" + group.describe() + " with the pool's " +
+           pool.describe() + ")";
+  if (!spec_valid(group, head_dim) || (head_dim * group.k_bits) % 8 || (head_dim * group.v_bits) % 8)
+    return group.describe() + " is not a valid spec for head_dim " + std::to_string(head_dim);
+  if (group.rotate != pool.rotate || group.fp_tail != pool.fp_tail || group.sink_blocks != pool.sink_blocks)
+    return "its rotate/fp_tail/sink_blocks differ from the pool's (" + group.describe() + " with " + pool.describe() + ")";
+  return "";
+}
+
 void ConversationFile::group_record_bytes(const ConvGroup& g, uint32_t* codes, uint32_t* scales) const {
   *codes = code_bytes, *scales = scale_bytes;
   uint32_t item = 0;
@@ -202,9 +213,8 @@ ConversationFile parse_conversation(const uint8_t* data, size_t n, const std::st
       const ConvSpec& s = grp.spec;
       if (!s.none() && (g == 0 || grp.window == 0))
         fail(where, "gives layer group " + std::to_string(g) + " its own spec (damaged)");
-      if (!s.none() && (!spec_valid(s, f.head_dim) || is_float_bits(s.k_bits) || is_float_bits(f.spec.k_bits) ||
-                        s.rotate != f.spec.rotate || s.fp_tail != f.spec.fp_tail || s.sink_blocks != f.spec.sink_blocks))
-        fail(where, "holds an invalid layer-group spec (" + s.describe() + " for " + f.spec.describe() + ")");
+      if (const std::string why = s.none() ? "" : group_spec_problem(f.spec, s, f.head_dim); !why.empty())
+        fail(where, "holds an invalid layer-group spec (" + why + ")");
     }
     const uint32_t nl = r.u32("layer groups");
     if (nl < 1 || nl > f.num_layers) fail(where, "has an impossible layer group (damaged)");

@@ -137,7 +137,7 @@ void Runner::Impl::load_manifest(const std::string& dir) {
     if (m["format_version"].as_int() != 1 && m["format_version"].as_int() != 2)
       throw RunnerError(ErrorCode::kArtifact, "pagedkv.json format_version " +
                                                   std::to_string(m["format_version"].as_int()) +
-                                                  ", this runner reads 1: re-export with a matching pagedkv.");
+                                                  ", this runner reads 1 and 2: re-export with a matching pagedkv.");
     const Json& pool = m["pool"];
     num_layers = static_cast<int>(pool["num_layers"].as_int());
     kv_heads = static_cast<int>(pool["num_kv_heads"].as_int());
@@ -339,30 +339,20 @@ Runner::Impl::GroupRecord Runner::Impl::group_record(const Json& sp, size_t g,
   const std::string which = "group " + std::to_string(g);
   if (!sp.is_object()) throw bad("gives " + which + " a spec that is not an object");
   if (g == 0 || groups[g].window == 0) throw bad("gives " + which + " (not a sliding group after the first) its own spec");
-  auto num = [&](const char* k) -> int64_t {
+  auto u = [&](const char* k) -> uint32_t {  // a field as a conversation file stores it (booleans 0/1)
     const Json* v = sp.find(k);
     if (!v) throw bad("gives " + which + " a spec without " + k);
-    return v->is_number() ? v->as_int() : (v->as_bool() ? 1 : 0);
+    return static_cast<uint32_t>(v->is_number() ? v->as_int() : (v->as_bool() ? 1 : 0));
   };
-  if (conv_spec.k_bits == 16 || conv_spec.k_bits == 32)
-    throw bad("gives " + which + " its own spec beside a float pool (a float pool has one spec)");
-  if ((num("rotate") != 0) != (conv_spec.rotate != 0) || (num("fp_tail") != 0) != (conv_spec.fp_tail != 0) ||
-      num("sink_blocks") != static_cast<int64_t>(conv_spec.sink_blocks))
-    throw bad("gives " + which + " a spec whose rotate/fp_tail/sink_blocks differ from the pool's");
-  const int64_t kb = num("k_bits"), vb = num("v_bits"), kg = num("k_group"), vg = num("v_group");
-  auto group_ok = [&](int64_t n) { return n == 0 || (n >= 1 && n <= head_dim && head_dim % n == 0); };
-  if (kb < 2 || kb > 8 || vb < 2 || vb > 8 || !group_ok(kg) || !group_ok(vg) || (head_dim * kb) % 8 ||
-      (head_dim * vb) % 8)
-    throw bad("gives " + which + " an invalid spec (K" + std::to_string(kb) + "/V" + std::to_string(vb) + " groups " +
-              std::to_string(kg) + "/" + std::to_string(vg) + " for head_dim " + std::to_string(head_dim) + ")");
-  const RecordBits b{static_cast<int>(kb), static_cast<int>(vb), static_cast<int>(kg), static_cast<int>(vg),
-                     num("k_sym") != 0, num("v_sym") != 0};
+  const ConvSpec s{u("k_bits"), u("v_bits"), u("k_group"), u("v_group"), u("k_sym"), u("v_sym"), u("rotate"),
+                   u("fp_tail"), u("sink_blocks")};
+  if (const std::string why = group_spec_problem(conv_spec, s, static_cast<uint32_t>(head_dim)); !why.empty())
+    throw bad("gives " + which + " an invalid spec: " + why);
   int cb = 0, scales = 0;
-  record_widths(b, head_dim, &cb, &scales);
-  auto u = [&](const char* k) { return static_cast<uint32_t>(num(k)); };
-  return GroupRecord{static_cast<uint32_t>(cb), static_cast<uint32_t>(2 * scales), true,
-                     ConvSpec{u("k_bits"), u("v_bits"), u("k_group"), u("v_group"), u("k_sym"), u("v_sym"),
-                              u("rotate"), u("fp_tail"), u("sink_blocks")}};
+  record_widths(RecordBits{static_cast<int>(s.k_bits), static_cast<int>(s.v_bits), static_cast<int>(s.k_group),
+                           static_cast<int>(s.v_group), s.k_sym != 0, s.v_sym != 0},
+                head_dim, &cb, &scales);
+  return GroupRecord{static_cast<uint32_t>(cb), static_cast<uint32_t>(2 * scales), s};
 }
 
 // The manifest's "groups" entry (runtime_sim.session.manifest_groups): [{"window", "layers", "num_blocks"}],
@@ -409,7 +399,7 @@ void Runner::Impl::load_groups(const Json& m, const Json& pte, const std::string
     for (int i = 0; i < num_layers; ++i)
       if (layer_group[static_cast<size_t>(i)] < 0) throw bad("leaves layer " + std::to_string(i) + " out");
   }
-  group_rec.assign(groups.size(), GroupRecord{code_bytes, scale_bytes, false, ConvSpec{}});
+  group_rec.assign(groups.size(), GroupRecord{code_bytes, scale_bytes, ConvSpec{}});
   if (grouped)
     for (size_t g = 0; g < groups.size(); ++g)
       if (const Json* sp = (*gs)[g].find("spec"); sp && !sp->is_null()) group_rec[g] = group_record(*sp, g, bad);

@@ -70,13 +70,12 @@ struct Runner::Impl {
   // stores its own spec (manifest "groups"[g].spec, format_version 2; toolkit.block_pool.group_layout)
   struct GroupRecord {
     uint32_t code_bytes = 0, scale_bytes = 0;
-    bool own_spec = false;
     ConvSpec spec;  // the group's own spec (all zero without one), as a conversation file stores it
   };
   std::vector<GroupRecord> group_rec;
   bool has_group_specs() const {
     for (const GroupRecord& r : group_rec)
-      if (r.own_spec) return true;
+      if (!r.spec.none()) return true;
     return false;
   }
   bool has_stage = false;
