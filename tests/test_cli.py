@@ -135,6 +135,26 @@ def test_export_rejects_bad_spec_and_block_size(tmp_path, wikitext):
     assert proc.returncode == 2 and "block size 0 is invalid" in " ".join(proc.stderr.split())
 
 
+def test_export_rejects_bad_sliding_and_compact_specs(tmp_path, wikitext):
+    """--sliding-spec and --compact-spec: one line, exit 2, before the weights load, no --out left behind."""
+    lines = [ln for ln in wikitext.read_text(encoding="utf-8").splitlines() if ln.strip()][:200]
+    dirs = {}
+    for family in ("llama", "gemma3"):
+        dirs[family] = tmp_path / family
+        tiny_model(family).save_pretrained(dirs[family])
+        tiny_bpe_tokenizer(lines).save_pretrained(dirs[family])
+    out = tmp_path / "o"
+    for family, extra, needle in [
+        ("llama", ["--sliding-spec", "default"], "only global ones"),
+        ("llama", ["--compact-spec", "default:k_bits=4,v_bits=2"], "--compact-spec needs --compact-blocks"),
+        ("gemma3", ["--sliding-spec", "default:rotate=false"], "differs from the pool's spec in rotate"),
+        ("gemma3", ["--sliding-spec", "fp16"], "quantized specs on both sides"),
+    ]:
+        proc = pagedkv("export", dirs[family], "--out", out, "--spec", "default", *extra, check=False)
+        assert proc.returncode == 2 and needle in " ".join(proc.stderr.split()), (extra, proc.stderr)
+        assert not out.exists()
+
+
 def test_runtime_pool_budget_and_policies(art):
     # the ONNX pool's block count is dynamic: a smaller pool is allocated at startup from --pool-mb
     out = json.loads(pagedkv("run", art, "--prompt", "The tower is", "-n", "4", "--json", "--pool-mb", "0.2").stdout)
