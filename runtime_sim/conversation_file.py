@@ -266,7 +266,7 @@ def parse(raw: bytes, path="(bytes)") -> ConversationData:
         spec = _spec_of(spec_vals).validate(head_dim)
     except PagedKVError as e:
         _fail(path, f"holds an invalid KV spec ({e})")
-    from toolkit.kv_spec import check_compact, check_group_spec, record_layout
+    from toolkit.kv_spec import check_compact, check_stored_group_spec, record_layout
 
     rec = record_layout(spec, head_dim)
     want = (4 if spec.k_bits == 32 else 2, 2 * head_dim * (4 if spec.k_bits == 32 else 2), 0) if spec.is_float else \
@@ -290,12 +290,10 @@ def parse(raw: bytes, path="(bytes)") -> ConversationData:
         (window,) = r.u32(1, "layer groups")
         own = None
         if version >= GROUP_SPEC_VERSION and any(vals := r.u32(len(SPEC_FIELDS), "layer groups")):
-            if gi == 0 or not window:  # only a sliding group after the first stores its own spec
-                _fail(path, f"gives layer group {gi} its own spec (damaged)")
             try:
-                own = check_group_spec(spec, _spec_of(vals), head_dim, f"layer group {gi}'s spec")
+                own = check_stored_group_spec(spec, _spec_of(vals), head_dim, gi, window, "the file")
             except PagedKVError as e:
-                _fail(path, f"holds an invalid layer-group spec ({e})")
+                _fail(path, f"holds an invalid layer-group spec (damaged: {e})")
         (n_layers,) = r.u32(1, "layer groups")
         if not 1 <= n_layers <= num_layers:
             _fail(path, "has an impossible layer group (damaged)")

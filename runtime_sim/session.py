@@ -88,7 +88,7 @@ def check_threads(threads: int) -> int:
 def manifest_groups(manifest: dict):
     """The manifest's layer groups (toolkit.block_pool.LayerGroup), or None for one global group."""
     from toolkit.block_pool import LayerGroup
-    from toolkit.kv_spec import check_group_spec
+    from toolkit.kv_spec import check_stored_group_spec
 
     groups = manifest.get("groups")
     if not groups:
@@ -96,11 +96,9 @@ def manifest_groups(manifest: dict):
     try:
         out = [LayerGroup.from_dict(g) for g in groups]
         pool = layout_from_manifest(manifest)
-        for i, g in enumerate(out):  # a group's own spec: not the first group's, and only a record change
-            if g.spec is not None and (i == 0 or not g.window):
-                raise ValueError(f"group {i} ({'global' if not g.window else 'the first'}) has its own spec")
+        for i, g in enumerate(out):
             if g.spec is not None:
-                check_group_spec(pool.spec, g.spec, pool.head_dim, f"group {i}'s spec")
+                check_stored_group_spec(pool.spec, g.spec, pool.head_dim, i, g.window, "the manifest")
         return out
     except (KeyError, TypeError, ValueError) as e:  # SpecError is a ValueError
         raise PagedKVError(f"the manifest's groups entry is malformed ({e}): re-run `pagedkv export`.") from None

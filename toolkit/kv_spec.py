@@ -113,6 +113,17 @@ def check_group_spec(pool: KVQuantSpec, group: KVQuantSpec, head_dim: int, where
     return group
 
 
+def check_stored_group_spec(pool: KVQuantSpec, group: KVQuantSpec, head_dim: int, index: int, window: int,
+                            where: str) -> KVQuantSpec:
+    """The spec a manifest or a conversation file stores for layer group `index` (sliding window `window`, 0 for
+    a global group): only a sliding group after the first may have its own (the first group's spec is the
+    pool's), then check_group_spec. Returns it; SpecError (one line) otherwise."""
+    if index == 0 or not window:
+        raise SpecError(f"{where} gives layer group {index} ({'global' if not window else 'the first'}) its own "
+                        "spec: only a sliding group after the first stores one")
+    return check_group_spec(pool, group, head_dim, f"layer group {index}'s spec")
+
+
 def _divisors_hint(n: int) -> str:
     return ", ".join(str(d) for d in (8, 16, 32, 64, 128) if n % d == 0) or "1"
 
