@@ -452,20 +452,28 @@ struct Attend {
         prepare_q(R);
         cq_ready = true;
       }
-      if (R.widen) {  // the run's records in 8-bit form; no look-ahead into the pool's (other) layout
-        widen_run(R, n);
-        QuantRun r{wide, pend_meta[0], 2 * (size_t)D, Ws, n, D, 8, R.k_group, 8, R.v_group, R.k_sym, R.v_sym,
-                   D, R.ksc, metaf, nseg, pend_meta, pend_n, recs, next_codes, next_meta, 0,
-                   (size_t)bs * 2 * D, (size_t)bs * Ws * 2, after_codes, 0,
-                   1 << (R.k_bits - 1), 1 << (R.v_bits - 1)};
-        Ops::q_scores(r, R.qk, R.qsum, G, P.scale, sc, ld);
-        softmax(n);
-        Ops::v_accum(r, sc, ld, G, acc);
+      if (R.widen) {
+        run_widened(R, n, nseg);
         return;
       }
       QuantRun r{pend_codes[0], pend_meta[0], W, Ws, n, D, R.k_bits, R.k_group, R.v_bits,
                  R.v_group, R.k_sym, R.v_sym, R.kcb, R.ksc, metaf, nseg, pend_meta, pend_n, recs,
                  next_codes, next_meta, next_nseg, (size_t)bs * W, (size_t)bs * Ws * 2, after_codes, after_nseg,
+                 1 << (R.k_bits - 1), 1 << (R.v_bits - 1)};
+      Ops::q_scores(r, R.qk, R.qsum, G, P.scale, sc, ld);
+      softmax(n);
+      Ops::v_accum(r, sc, ld, G, acc);
+    }
+  }
+
+  // run_quant of a region whose records are widened first: the run's records in 8-bit form, no
+  // look-ahead into the pool's (other) layout. Out of line: the common widths never come here.
+  [[gnu::noinline]] void run_widened(const Region& R, int n, int nseg) {
+    if constexpr (kHasFast) {
+      widen_run(R, n);
+      QuantRun r{wide, pend_meta[0], 2 * (size_t)D, R.Ws, n, D, 8, R.k_group, 8, R.v_group, R.k_sym, R.v_sym,
+                 D, R.ksc, metaf, nseg, pend_meta, pend_n, recs, next_codes, next_meta, 0,
+                 (size_t)bs * 2 * D, (size_t)bs * R.Ws * 2, after_codes, 0,
                  1 << (R.k_bits - 1), 1 << (R.v_bits - 1)};
       Ops::q_scores(r, R.qk, R.qsum, G, P.scale, sc, ld);
       softmax(n);
