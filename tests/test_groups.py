@@ -307,13 +307,6 @@ def test_pool_budget_sizes_the_global_group_and_counts_the_window(tmp_path, wiki
                      model_and_tokenizer=(tiny_model("gemma3"), tok))
     manifest = json.loads((art / "pagedkv.json").read_text())
     groups = [LayerGroup.from_dict(g) for g in manifest["groups"]]
-    # only a sliding group after the first may store its own spec (the same rule as conversation files)
-    from runtime_sim.session import manifest_groups
-
-    bad = json.loads(json.dumps(manifest))
-    bad["groups"][0]["spec"] = bad["groups"][1]["spec"]
-    with pytest.raises(PagedKVError, match="malformed .the manifest gives layer group 0 .* its own spec"):
-        manifest_groups(bad)
     exported = layout_from_manifest(manifest)
     assert [(g.window, g.num_blocks) for g in groups] == [(0, 40), (W, window_blocks)]
     assert exported.num_blocks == 40
@@ -425,6 +418,13 @@ def test_sliding_spec_exports_and_runs_on_every_backend(tmp_path, wikitext):
     assert manifest["format_version"] == 2
     assert [LayerGroup.from_dict(g).spec for g in manifest["groups"]] == [None, sliding]
     groups = [LayerGroup.from_dict(g) for g in manifest["groups"]]
+    # only a sliding group after the first may store its own spec (the same rule as conversation files)
+    from runtime_sim.session import manifest_groups
+
+    bad = json.loads(json.dumps(manifest))
+    bad["groups"][0]["spec"] = bad["groups"][1]["spec"]
+    with pytest.raises(PagedKVError, match="malformed .the manifest gives layer group 0 .* its own spec"):
+        manifest_groups(bad)
 
     torch_paged = compile(tiny_model("gemma3"), "default", block_size=BS, num_blocks=10, max_seqs=1,
                           sliding_blocks=groups[1].num_blocks, sliding_spec=sliding)
