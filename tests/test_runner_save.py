@@ -163,10 +163,14 @@ ROTATE_AT = SPEC_AT + 6 * 4  # k_bits, v_bits, k_group, v_group, k_sym, v_sym, r
     ("other-model", "was saved with another model"),
     ("other-spec", "was saved with KV spec"),
     ("not-the-prompt", "are not the start of the"),
+    ("first-group-spec", "layer group 0 is not a sliding group after the first"),
 ])
 def test_runner_rejects_bad_files_in_one_line(host_cli, runner_saved, fixtures, wikitext, tmp_path, case, needle):
+    from runtime_sim import conversation_file as cf
     from runtime_sim.session import open_artifacts
 
+    if case == "first-group-spec" and json.loads((fixtures / "pagedkv.json").read_text())["format_version"] != 2:
+        pytest.skip("only an export whose sliding group stores its own spec writes group specs")
     eng = open_artifacts(fixtures, "executorch", threads=1)
     c = eng.new_conversation()
     ids = runner_saved[2]
@@ -174,12 +178,20 @@ def test_runner_rejects_bad_files_in_one_line(host_cli, runner_saved, fixtures, 
     good = tmp_path / "good.pkvc"
     eng.save(c, good)
     raw = good.read_bytes()
+
+    def first_group_spec(_):  # the sliding group's own spec given to the first group too (a valid writer's bytes)
+        d = cf.read(good)
+        d.groups[0].spec = d.groups[1].spec
+        cf.write(tmp_path / "first.pkvc", d)
+        return (tmp_path / "first.pkvc").read_bytes()
+
     bad = {
         "truncated": lambda b: b[: len(b) // 2],
         "other-model": lambda b: reseal(b[:SHA_AT] + bytes(32) + b[SHA_AT + 32:]),
         "other-spec": lambda b: reseal(b[:ROTATE_AT] + struct.pack("<I", 1 - struct.unpack_from("<I", b, ROTATE_AT)[0])
                                        + b[ROTATE_AT + 4:]),
         "not-the-prompt": lambda b: b,
+        "first-group-spec": first_group_spec,
     }[case](raw)
     path = tmp_path / "bad.pkvc"
     path.write_bytes(bad)

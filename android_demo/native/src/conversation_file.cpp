@@ -94,7 +94,11 @@ std::string ConvSpec::describe() const {
   return s.str();
 }
 
-std::string group_spec_problem(const ConvSpec& pool, const ConvSpec& group, uint32_t head_dim) {
+std::string group_spec_problem(const ConvSpec& pool, const ConvSpec& group, uint32_t head_dim, size_t index,
+                               uint32_t window) {
+  if (index == 0 || window == 0)
+    return "layer group " + std::to_string(index) + " is not a sliding group after the first: only those store their "
+           "own spec";
   if (is_float_bits(pool.k_bits) || is_float_bits(group.k_bits))
     return "a layer group's own spec needs quantized specs on both sides (" + group.describe() + " with the pool's " +
            pool.describe() + ")";
@@ -206,15 +210,14 @@ ConversationFile parse_conversation(const uint8_t* data, size_t n, const std::st
   for (uint32_t g = 0; g < n_groups; ++g) {
     ConvGroup grp;
     grp.window = r.u32("layer groups");
-    if (version >= kConversationGroupSpecVersion) {  // the group's own spec (toolkit/kv_spec.py check_group_spec)
+    if (version >= kConversationGroupSpecVersion) {  // the group's own spec (kv_spec.py check_stored_group_spec)
       uint32_t* gs[] = {&grp.spec.k_bits, &grp.spec.v_bits, &grp.spec.k_group, &grp.spec.v_group, &grp.spec.k_sym,
                         &grp.spec.v_sym, &grp.spec.rotate, &grp.spec.fp_tail, &grp.spec.sink_blocks};
       for (uint32_t* v : gs) *v = r.u32("layer groups");
       const ConvSpec& s = grp.spec;
-      if (!s.none() && (g == 0 || grp.window == 0))
-        fail(where, "gives layer group " + std::to_string(g) + " its own spec (damaged)");
-      if (const std::string why = s.none() ? "" : group_spec_problem(f.spec, s, f.head_dim); !why.empty())
-        fail(where, "holds an invalid layer-group spec (" + why + ")");
+      if (const std::string why = s.none() ? "" : group_spec_problem(f.spec, s, f.head_dim, g, grp.window);
+          !why.empty())
+        fail(where, "holds an invalid layer-group spec (damaged: " + why + ")");
     }
     const uint32_t nl = r.u32("layer groups");
     if (nl < 1 || nl > f.num_layers) fail(where, "has an impossible layer group (damaged)");

@@ -94,10 +94,13 @@ ConversationFile read_conversation_file(const std::string& path);
 std::vector<uint8_t> encode_conversation(const ConversationFile& f);
 // Atomic write; returns the size in bytes. Throws RunnerError(kArgument) naming the path on failure.
 size_t write_conversation_file(const std::string& path, const ConversationFile& f);
-// Why `group` cannot be a layer group's own spec beside the pool's spec `pool` (toolkit/kv_spec.py
-// check_group_spec: both quantized, `group` valid for head_dim, the same rotate, fp_tail and sink_blocks);
-// "" if it can. The manifest's groups (the runner) and version-3 files both check with it.
-std::string group_spec_problem(const ConvSpec& pool, const ConvSpec& group, uint32_t head_dim);
+// Why `group` cannot be the own spec that a manifest or a version-3 file stores for layer group `index`
+// (sliding window `window`, 0 for a global group) beside the pool's spec `pool` (toolkit/kv_spec.py
+// check_stored_group_spec: only a sliding group after the first has one; both quantized, `group` valid
+// for head_dim, the same rotate, fp_tail and sink_blocks); "" if it can. The manifest's groups (the
+// runner) and version-3 files both check with it.
+std::string group_spec_problem(const ConvSpec& pool, const ConvSpec& group, uint32_t head_dim, size_t index,
+                               uint32_t window);
 // `want` describes the runner's pool (no tokens or blocks): throws RunnerError(kArgument) on any mismatch.
 void check_conversation_compatible(const ConversationFile& f, const ConversationFile& want, const std::string& where);
 

@@ -331,14 +331,13 @@ std::vector<Runner::Impl::LayerPool> Runner::Impl::ensure_pool_views() {
   return v;
 }
 
-// A layer group's own spec (export --sliding-spec; toolkit/kv_spec.py check_group_spec): a sliding group
+// A layer group's own spec (export --sliding-spec; toolkit/kv_spec.py check_stored_group_spec): a sliding group
 // other than the first, quantized like the pool, differing from it only in the record's bits, groups
 // and symmetry. Returns its record's bytes.
 Runner::Impl::GroupRecord Runner::Impl::group_record(const Json& sp, size_t g,
                                                      const std::function<RunnerError(const std::string&)>& bad) const {
   const std::string which = "group " + std::to_string(g);
   if (!sp.is_object()) throw bad("gives " + which + " a spec that is not an object");
-  if (g == 0 || groups[g].window == 0) throw bad("gives " + which + " (not a sliding group after the first) its own spec");
   auto u = [&](const char* k) -> uint32_t {  // a field as a conversation file stores it (booleans 0/1)
     const Json* v = sp.find(k);
     if (!v) throw bad("gives " + which + " a spec without " + k);
@@ -346,7 +345,9 @@ Runner::Impl::GroupRecord Runner::Impl::group_record(const Json& sp, size_t g,
   };
   const ConvSpec s{u("k_bits"), u("v_bits"), u("k_group"), u("v_group"), u("k_sym"), u("v_sym"), u("rotate"),
                    u("fp_tail"), u("sink_blocks")};
-  if (const std::string why = group_spec_problem(conv_spec, s, static_cast<uint32_t>(head_dim)); !why.empty())
+  if (const std::string why = group_spec_problem(conv_spec, s, static_cast<uint32_t>(head_dim), g,
+                                                 static_cast<uint32_t>(groups[g].window));
+      !why.empty())
     throw bad("gives " + which + " an invalid spec: " + why);
   int cb = 0, scales = 0;
   record_widths(RecordBits{static_cast<int>(s.k_bits), static_cast<int>(s.v_bits), static_cast<int>(s.k_group),
