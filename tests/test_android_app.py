@@ -63,16 +63,22 @@ def classes():
     return [kcls, jcls, home / "lib" / "kotlin-stdlib.jar"]
 
 
-def summary(out: str) -> tuple[int, int]:
+def host_tests(classes, *args, min_passed: int = 1, timeout: int = 900) -> str:
+    """Runs HostTests.kt's main (on the host JVM, with the host runner's JNI library) and returns its output;
+    fails with its FAIL lines first, since they may lie far before the output's tail."""
+    cmd = ["java", f"-Djava.library.path={REPO / 'build' / 'android-host'}", "-cp", ":".join(map(str, classes)),
+           "org.pagedkv.demo.core.HostTestsKt", *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    fails = "\n".join(line for line in out.splitlines() if line.startswith("FAIL "))
     m = re.findall(r"^(\d+) passed, (\d+) failed$", out, re.M)
-    assert m, out[-3000:]
-    return int(m[-1][0]), int(m[-1][1])
+    ok = bool(m) and int(m[-1][1]) == 0 and int(m[-1][0]) >= min_passed and proc.returncode == 0
+    assert ok, f"HostTests exit {proc.returncode}:\n{fails}\n--- tail ---\n{out[-3000:]}"
+    return out
 
 
 def test_app_logic_on_host_jvm(classes):
-    out = run(["java", "-cp", ":".join(map(str, classes)), "org.pagedkv.demo.core.HostTestsKt"])
-    ok, bad = summary(out)
-    assert bad == 0 and ok >= 40, out
+    host_tests(classes, min_passed=40)
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +102,8 @@ def runner_fixtures(tmp_path_factory, wikitext, tiny_pte_fp32):
 @pytest.mark.parametrize("which", ["plain", "templated", "compact"])
 def test_chat_engine_with_the_native_runner(classes, runner_fixtures, which):
     subprocess.run(["bash", str(NATIVE / "ci_build.sh"), "host"], check=True, capture_output=True, timeout=1800)
-    host = REPO / "build" / "android-host"
-    out = run(["java", f"-Djava.library.path={host}", "-cp", ":".join(map(str, classes)),
-               "org.pagedkv.demo.core.HostTestsKt", runner_fixtures / which], timeout=600)
-    ok, bad = summary(out)
-    assert bad == 0 and "PASS a Stop before the turn starts is not lost" in out, out[-4000:]
+    out = host_tests(classes, runner_fixtures / which, timeout=600)
+    assert "PASS a Stop before the turn starts is not lost" in out, out[-4000:]
     assert "PASS start restores the saved chat without prefill" in out, out[-4000:]  # HostTests saveRestoreTests
     # HostTests compactTrimTests: trim compacts on a .pte with a compact region, skips it on one without
     if which == "compact":

@@ -182,9 +182,14 @@ fun engineTests(fixtures: File) {
     waitIdle(engine)
     check(engine.ready && engine.stats!!.totalBlocks > 0, "the runner starts on the engine's thread (${engine.status})")
 
-    // Stop before the queued turn starts: hold the executor with a turn, queue a second, stop it
+    // One turn at a time: the executor is held (a task's onChange waits on `hold`), so the first turn is
+    // still queued when the second Send comes, however fast the tiny model would have answered it
+    hold = CountDownLatch(1)
+    engine.refreshStats()
     val first = engine.send("Hello there") { roomy }
     check(first != null && engine.send("queued while busy") { roomy } == null, "one turn at a time")
+    hold!!.countDown()
+    hold = null
     val w = waitDone(engine, first!!)
     check(w && first.state == Transcript.State.DONE && first.replyText.isNotEmpty(), "a turn streams its reply (${first.replyText.length} chars)")
     val used = engine.stats!!.usedBlocks
@@ -215,7 +220,9 @@ fun engineTests(fixtures: File) {
     check(s.usableBlocks == s.usedBlocks, "trim BACKGROUND shrinks the pool to the used blocks (${s.usableBlocks}/${s.usedBlocks})")
     val third = engine.send("and again") { roomy }!!
     waitDone(engine, third)
-    check(third.state == Transcript.State.DONE && engine.stats!!.usableBlocks > s.usableBlocks, "the next turn grows the pool back")
+    check(third.state == Transcript.State.DONE && engine.stats!!.usableBlocks > s.usableBlocks,
+        "the next turn grows the pool back (${third.state} ${third.note} ${third.replyText.length} chars, usable ${s.usableBlocks} -> " +
+            "${engine.stats!!.usableBlocks}, status '${engine.status}')")
     engine.clear()
     waitIdle(engine)
     check(engine.stats!!.usedBlocks == 0, "Clear releases the conversation's blocks")
