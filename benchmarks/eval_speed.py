@@ -16,6 +16,9 @@ itself; only the fp32 and fp16 rows can agree to float rounding.
 The floor: "hf_forward_seconds" is the plain HuggingFace model (its own attention, no pool, no
 quantization) over the same windows, timed once and multiplied by the table's rows: every row is one
 teacher-forced pass over every window, so no kernel of the op can take the table below it.
+"compute_floor_seconds" bounds any engine that keeps the weights' float32 numerics: the table's matmul
+FLOPs (every Linear, the LM head included, and causal attention's QK^T and PV) at this machine's best
+float32 matmul rate (torch.mm 2048^3, best of 5). "reference_over_5" is the reference run's time over 5.
 """
 
 from __future__ import annotations
@@ -36,6 +39,31 @@ from benchmarks.e2e import cpu_model  # noqa: E402
 from toolkit.fidelity import DEFAULT_SPECS, evaluate_ids, tokenize, tokenizer_bos  # noqa: E402
 
 DEFAULT_TEXT = REPO / ".." / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+
+
+def table_flops(model, ctx: int, windows: int, rows: int) -> float:
+    """Matmul FLOPs of `rows` teacher-forced passes over `windows` windows of `ctx` tokens."""
+    import torch
+
+    linear = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    attention = c.num_hidden_layers * c.num_attention_heads * head_dim * ctx * (ctx + 1)  # QK^T + PV, causal
+    return rows * windows * (2.0 * linear * ctx + 2.0 * attention)
+
+
+def matmul_flops_per_second(n: int = 2048, reps: int = 5) -> float:
+    """The best float32 torch.mm rate of n x n x n over reps runs (torch's threads)."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / best
 
 
 def main(argv=None) -> int:
@@ -65,6 +93,10 @@ def main(argv=None) -> int:
             model(torch.tensor([ids[w * a.ctx:(w + 1) * a.ctx]]))
     floor = round((time.perf_counter() - t0) * rows_n, 1)
     print(f"the plain HF model over the same windows x {rows_n} rows: {floor:.0f} s", flush=True)
+    flops, rate = table_flops(model, a.ctx, a.windows, rows_n), matmul_flops_per_second()
+    compute_floor = round(flops / rate, 1)
+    print(f"their matmuls: {flops / 1e12:.2f} TFLOP; at the best float32 torch.mm rate here ({rate / 1e9:.0f} GFLOP/s) "
+          f"{compute_floor:.0f} s", flush=True)
     runs = {}
     emb = model.get_input_embeddings().weight
     for kernel in a.kernels:
@@ -83,7 +115,10 @@ def main(argv=None) -> int:
         print(f"{kernel}: {runs[kernel]['seconds']:.0f} s", flush=True)
     out = {"cpu": cpu_model(), "model": a.model, "ctx": a.ctx, "windows": a.windows, "specs": a.specs,
            "torch_threads": torch.get_num_threads(), "load_avg": os.getloadavg(), "runs": runs,
-           "hf_forward_seconds": floor}
+           "hf_forward_seconds": floor, "table_tflop": round(flops / 1e12, 2),
+           "matmul_gflops": round(rate / 1e9, 1), "compute_floor_seconds": compute_floor}
+    if "reference" in runs:
+        out["reference_over_5"] = round(runs["reference"]["seconds"] / 5, 1)
     rows = {k: {r["spec"]: r for r in v["results"]} for k, v in runs.items()}
 
     def diffs(x: str, y: str) -> dict:
@@ -106,7 +141,9 @@ def main(argv=None) -> int:
             print(f"| {s} | " + " | ".join(str(rows[k][s]["ppl"]) for k in cols) + " | "
                   + " | ".join(f"{rows[k][s]['kld_mean']:.3g}" for k in cols) + " |")
         print(f"\nnative {runs['native']['seconds']:.0f} s, reference {runs['reference']['seconds']:.0f} s: "
-              f"{out['speedup']}x; the plain HF model over the same windows and rows {floor:.0f} s")
+              f"{out['speedup']}x; the plain HF model over the same windows and rows {floor:.0f} s; its float32 "
+              f"matmuls at this machine's best rate {compute_floor:.0f} s; the reference's time / 5: "
+              f"{out['reference_over_5']:.0f} s")
         for key in ("native_vs_reference", "reference_vs_1ulp"):
             if key in out:
                 d = out[key]
