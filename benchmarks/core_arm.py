@@ -1,0 +1,200 @@
+"""The kernel core's NEON paths on real ARM hardware: an Android phone over adb, or an aarch64 Linux machine.
+
+    python benchmarks/core_arm.py --build             # here (x86-64): cross-build build/aarch64-bench
+    python benchmarks/core_arm.py --adb [--serial S]  # a phone with USB debugging on: push, test, measure
+    python benchmarks/core_arm.py                     # on an aarch64 Linux machine, with build/aarch64-bench
+
+qemu (CI) shows that the NEON paths are exact, not how fast they are. This runs on the ARM CPU itself:
+first the core's own tests (toolkit/csrc/pagedkv_core_test: every path against the scalar one), then one
+decode step per code path (pagedkv_core_bench: the default spec, random codes, shuffled blocks) for each
+dims, ctx and thread count, beside the memory floor of the same step (BENCH_WALK=1: the step's pool bytes
+read in the kernel's order, no arithmetic). The binaries are static (Debian's g++-aarch64-linux-gnu, no
+hosts, no libraries), so they run on Android from /data/local/tmp as they do on Linux.
+
+Prints a markdown table (ms per step, GB/s of KV read, floor / step: 1.0 = the step runs at the speed of
+reading its bytes) and writes --json (default benchmarks/results/core_arm.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from toolkit.deploy import find_adb, list_devices, pick_device  # noqa: E402
+from toolkit.errors import PagedKVError  # noqa: E402
+
+BUILD = REPO / "build" / "aarch64-bench"
+BENCH, TEST = "pagedkv_core_bench", "pagedkv_core_test"
+REMOTE = "/data/local/tmp/pagedkv-core-bench"  # adb can write and execute there on every Android
+STEP = re.compile(r":\s+([\d.]+) ms\s+([\d.]+) GB/s.* bytes (\d+)")
+
+
+class BenchError(PagedKVError):
+    """A step of the ARM benchmark failed (its message says which and how to fix it)."""
+
+
+def build() -> None:
+    """Cross-compiles the core's bench and tests for aarch64, static, into BUILD."""
+    cmake = ["cmake", "-S", str(REPO / "toolkit" / "csrc"), "-B", str(BUILD), "-DCMAKE_SYSTEM_NAME=Linux",
+             "-DCMAKE_SYSTEM_PROCESSOR=aarch64", "-DCMAKE_CXX_COMPILER=aarch64-linux-gnu-g++",
+             "-DPAGEDKV_BUILD_ET=OFF", "-DPAGEDKV_BUILD_ORT=OFF", "-DCMAKE_EXE_LINKER_FLAGS=-static"]
+    print(f"cross-building the core's bench and tests for aarch64 into {BUILD} ...", flush=True)
+    for cmd in (cmake, ["cmake", "--build", str(BUILD), "-j", str(os.cpu_count() or 1), "--target", BENCH, TEST]):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise BenchError(f"`{' '.join(cmd[:3])} ...` failed: {(proc.stderr or proc.stdout).strip()[-800:]} "
+                             "(needs cmake and Debian's g++-aarch64-linux-gnu)")
+    print(f"built {BUILD / BENCH} and {BUILD / TEST} (aarch64, static)")
+
+
+def built() -> list[Path]:
+    exes = [BUILD / BENCH, BUILD / TEST]
+    missing = [str(p) for p in exes if not p.is_file()]
+    if missing:
+        raise BenchError(f"{', '.join(missing)} not found: run `python benchmarks/core_arm.py --build` first")
+    return exes
+
+
+class Local:
+    """This machine (must be aarch64)."""
+
+    def __init__(self):
+        if platform.machine() not in ("aarch64", "arm64"):
+            raise BenchError(f"this machine is {platform.machine()}, not aarch64: use --adb for a phone, "
+                             "or run this on an ARM Linux machine")
+        self.dir = BUILD
+        built()
+
+    def run(self, exe: str, args: list, env: dict | None = None) -> str:
+        proc = subprocess.run([str(self.dir / exe), *map(str, args)], capture_output=True, text=True,
+                              env={**os.environ, **(env or {})}, timeout=1800)
+        if proc.returncode:
+            raise BenchError(f"{exe} {' '.join(map(str, args))} failed (exit {proc.returncode}): {proc.stdout[-800:]}"
+                             f"{proc.stderr[-400:]}")
+        return proc.stdout
+
+    def cpu(self) -> str:
+        text = Path("/proc/cpuinfo").read_text()
+        return cpu_text(text, platform.node())
+
+
+class Adb:
+    """A phone over adb: the binaries are pushed to REMOTE and run through `adb shell`."""
+
+    def __init__(self, adb: str, serial: str | None):
+        path = find_adb(adb)
+        self.base = [path, "-s", pick_device(list_devices(path), serial)]
+        for exe in built():
+            self._adb(["push", str(exe), f"{REMOTE}/{exe.name}"], f"pushing {exe.name}")
+        self._adb(["shell", f"chmod 755 {REMOTE}/{BENCH} {REMOTE}/{TEST}"], "making the binaries executable")
+
+    def _adb(self, args: list, what: str) -> str:
+        proc = subprocess.run(self.base + args, capture_output=True, text=True, timeout=1800)
+        if proc.returncode:
+            raise BenchError(f"adb {args[0]} failed (exit {proc.returncode}) while {what}: "
+                             f"{(proc.stderr or proc.stdout).strip()[-800:]}")
+        return proc.stdout
+
+    def run(self, exe: str, args: list, env: dict | None = None) -> str:
+        words = [f"{k}={shlex.quote(str(v))}" for k, v in (env or {}).items()]
+        line = " ".join([f"cd {REMOTE} &&", *words, f"./{exe}", *(shlex.quote(str(a)) for a in args)])
+        return self._adb(["shell", line], f"running {exe}")
+
+    def cpu(self) -> str:
+        model = self._adb(["shell", "getprop ro.product.model; getprop ro.soc.model"], "reading the model").split()
+        return cpu_text(self._adb(["shell", "cat /proc/cpuinfo"], "reading /proc/cpuinfo"), " ".join(model))
+
+
+def cpu_text(cpuinfo: str, name: str) -> str:
+    """'<name>: CPU parts 0xd05 0xd0d, asimddp i8mm' from /proc/cpuinfo (parts: one per core cluster)."""
+    parts = sorted(set(re.findall(r"^CPU part\s*:\s*(\S+)", cpuinfo, re.M)))
+    features = set(re.findall(r"^Features\s*:\s*(.*)$", cpuinfo, re.M)[0].split()) if "Features" in cpuinfo else set()
+    flags = [f for f in ("asimddp", "i8mm", "sve", "sve2") if f in features]
+    return f"{name}: CPU parts {' '.join(parts) or '?'}, {' '.join(flags) or 'no dotprod'}"
+
+
+def parse_step(line: str) -> tuple[float, float, int]:
+    """(ms, GB/s, bytes) of one pagedkv_core_bench line (attention or walk)."""
+    m = STEP.search(line)
+    if not m:
+        raise BenchError(f"unexpected {BENCH} output: {line.strip()[:200]!r}")
+    return float(m.group(1)), float(m.group(2)), int(m.group(3))
+
+
+def reps_for(ctx: int) -> int:
+    return max(20, min(400, 2_000_000 // ctx))  # as benchmarks/kernels.py's core rows
+
+
+def measure(target, ctxs: list, dims: list, threads: list, reps: int | None) -> dict:
+    tests = target.run(TEST, [])
+    paths = target.run(BENCH, ["--paths"]).split()
+    rows = []
+    for hq, hkv, d in dims:
+        for ctx in ctxs:
+            for t in threads:
+                n = reps or reps_for(ctx)
+                args = [ctx, hq, hkv, d, t, n]
+                floor_ms = parse_step(target.run(BENCH, args, {"BENCH_WALK": 1}))[0]
+                for path in paths:
+                    ms, gbs, nbytes = parse_step(target.run(BENCH, args + [path]))
+                    row = {"path": path, "dims": f"{hq}/{hkv}/{d}", "ctx": ctx, "threads": t, "ms": ms,
+                           "gb_s": gbs, "bytes": nbytes, "floor_ms": floor_ms, "floor_over_step": floor_ms / ms}
+                    rows.append(row)
+                    print(f"| {path} | {row['dims']} | {ctx} | {t} | {ms:.4g} | {gbs:.3g} | {floor_ms:.4g} | "
+                          f"{row['floor_over_step']:.2f} |", flush=True)
+    return {"paths": paths, "core_test": tests.strip().splitlines()[-2:], "rows": rows}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", action="store_true", help="cross-build build/aarch64-bench here and exit")
+    ap.add_argument("--adb", action="store_true", help="run on an Android phone over adb")
+    ap.add_argument("--serial", help="the phone's serial (`adb devices`) when several are connected")
+    ap.add_argument("--adb-path", default="adb", help="the adb executable (default: adb on PATH)")
+    ap.add_argument("--ctx", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--dims", nargs="+", default=["9/3/64", "32/8/128"], help="Hq/Hkv/D (default: SmolLM2's, 32/8/128)")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--reps", type=int, help="timed steps per cell (default: as kernels.py, 20..400 by ctx)")
+    ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "core_arm.json")
+    a = ap.parse_args(argv)
+    try:
+        dims = [tuple(int(x) for x in s.split("/")) for s in a.dims]
+        if any(len(d) != 3 or min(d) <= 0 or d[0] % d[1] for d in dims):
+            raise ValueError
+    except ValueError:
+        print(f"core_arm.py: --dims {' '.join(a.dims)}: give Hq/Hkv/D, positive, Hq a multiple of Hkv (e.g. 9/3/64)",
+              file=sys.stderr)
+        return 2
+    if min(a.ctx + a.threads + [a.reps or 1]) <= 0:
+        print("core_arm.py: --ctx, --threads and --reps must be positive", file=sys.stderr)
+        return 2
+    try:
+        if a.build:
+            build()
+            return 0
+        target = Adb(a.adb_path, a.serial) if a.adb else Local()
+        cpu = target.cpu()
+        print(f"{cpu}\n\n| path | Hq/Hkv/D | ctx | threads | ms | GB/s | floor ms | floor / step |\n"
+              "|---|---|---:|---:|---:|---:|---:|---:|", flush=True)
+        out = {"cpu": cpu, "where": "adb" if a.adb else "local", **measure(target, a.ctx, dims, a.threads, a.reps)}
+    except PagedKVError as e:
+        print(f"core_arm.py: {e}", file=sys.stderr)
+        return 2
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"core tests: {' / '.join(out['core_test'])}\nwrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
