@@ -1,6 +1,6 @@
 """A FAKE adb (a test double for the phone we do not have): an executable put first on PATH that records its
 arguments and emulates a device's file system in a temp dir. tests/test_android_deploy.py deploys to it;
-tests/test_core_arm.py runs the core's aarch64 benchmark on it (the fake phone runs aarch64 ELF files
+tests/test_core_device.py runs the core's aarch64 benchmark on it (the fake phone runs aarch64 ELF files
 under qemu-aarch64-static, as a phone runs them natively)."""
 
 from __future__ import annotations

@@ -1,18 +1,20 @@
-"""The kernel core's NEON paths on real ARM hardware: an Android phone over adb, or an aarch64 Linux machine.
+"""The kernel core alone on a machine without our Python environment: an Android phone over adb (the NEON
+paths on real ARM hardware), or any aarch64 or x86-64 Linux machine (e.g. one with more cores than ours).
 
-    python benchmarks/core_arm.py --build             # here (x86-64): cross-build build/aarch64-bench
-    python benchmarks/core_arm.py --adb [--serial S]  # a phone with USB debugging on: push, test, measure
-    python benchmarks/core_arm.py                     # on an aarch64 Linux machine, with build/aarch64-bench
+    python benchmarks/core_device.py --build             # here: cross-build build/aarch64-bench
+    python benchmarks/core_device.py --adb [--serial S]  # a phone with USB debugging on: push, test, measure
+    python benchmarks/core_device.py --build --arch x86_64   # build/x86_64-bench
+    python benchmarks/core_device.py                     # on that machine: its arch's build/ARCH-bench
 
-qemu (CI) shows that the NEON paths are exact, not how fast they are. This runs on the ARM CPU itself:
+qemu (CI) shows that the NEON paths are exact, not how fast they are. This runs on the target CPU itself:
 first the core's own tests (toolkit/csrc/pagedkv_core_test: every path against the scalar one), then one
 decode step per code path (pagedkv_core_bench: the default spec, random codes, shuffled blocks) for each
 dims, ctx and thread count, beside the memory floor of the same step (BENCH_WALK=1: the step's pool bytes
-read in the kernel's order, no arithmetic). The binaries are static (Debian's g++-aarch64-linux-gnu, no
-hosts, no libraries), so they run on Android from /data/local/tmp as they do on Linux.
+read in the kernel's order, no arithmetic). The binaries are static (g++, Debian's g++-aarch64-linux-gnu for
+aarch64; no hosts, no libraries), so they run on Android from /data/local/tmp as they do on Linux.
 
 Prints a markdown table (ms per step, GB/s of KV read, floor / step: 1.0 = the step runs at the speed of
-reading its bytes) and writes --json (default benchmarks/results/core_arm.json).
+reading its bytes) and writes --json (default benchmarks/results/core_device.json).
 """
 
 from __future__ import annotations
@@ -33,51 +35,62 @@ sys.path.insert(0, str(REPO))
 from toolkit.deploy import find_adb, list_devices, pick_device  # noqa: E402
 from toolkit.errors import PagedKVError  # noqa: E402
 
-BUILD = REPO / "build" / "aarch64-bench"
+COMPILERS = {"aarch64": "aarch64-linux-gnu-g++", "x86_64": "g++"}  # static builds per target arch
 BENCH, TEST = "pagedkv_core_bench", "pagedkv_core_test"
 REMOTE = "/data/local/tmp/pagedkv-core-bench"  # adb can write and execute there on every Android
 STEP = re.compile(r":\s+([\d.]+) ms\s+([\d.]+) GB/s.* bytes (\d+)")
 
 
 class BenchError(PagedKVError):
-    """A step of the ARM benchmark failed (its message says which and how to fix it)."""
+    """A step of the benchmark failed (its message says which and how to fix it)."""
 
 
-def build() -> None:
-    """Cross-compiles the core's bench and tests for aarch64, static, into BUILD."""
-    cmake = ["cmake", "-S", str(REPO / "toolkit" / "csrc"), "-B", str(BUILD), "-DCMAKE_SYSTEM_NAME=Linux",
-             "-DCMAKE_SYSTEM_PROCESSOR=aarch64", "-DCMAKE_CXX_COMPILER=aarch64-linux-gnu-g++",
+def build_dir(arch: str) -> Path:
+    return REPO / "build" / f"{arch}-bench"
+
+
+def build(arch: str) -> None:
+    """Compiles the core's bench and tests for arch, static (no hosts, no libraries), into build_dir(arch)."""
+    out = build_dir(arch)
+    cmake = ["cmake", "-S", str(REPO / "toolkit" / "csrc"), "-B", str(out), "-DCMAKE_SYSTEM_NAME=Linux",
+             f"-DCMAKE_SYSTEM_PROCESSOR={arch}", f"-DCMAKE_CXX_COMPILER={COMPILERS[arch]}",
              "-DPAGEDKV_BUILD_ET=OFF", "-DPAGEDKV_BUILD_ORT=OFF", "-DCMAKE_EXE_LINKER_FLAGS=-static"]
-    print(f"cross-building the core's bench and tests for aarch64 into {BUILD} ...", flush=True)
-    for cmd in (cmake, ["cmake", "--build", str(BUILD), "-j", str(os.cpu_count() or 1), "--target", BENCH, TEST]):
+    print(f"building the core's bench and tests for {arch} (static) into {out} ...", flush=True)
+    for cmd in (cmake, ["cmake", "--build", str(out), "-j", str(os.cpu_count() or 1), "--target", BENCH, TEST]):
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             raise BenchError(f"`{' '.join(cmd[:3])} ...` failed: {(proc.stderr or proc.stdout).strip()[-800:]} "
-                             "(needs cmake and Debian's g++-aarch64-linux-gnu)")
-    print(f"built {BUILD / BENCH} and {BUILD / TEST} (aarch64, static)")
+                             f"(needs cmake and {COMPILERS[arch]}; Debian: g++-aarch64-linux-gnu for aarch64)")
+    print(f"built {out / BENCH} and {out / TEST}")
 
 
-def built() -> list[Path]:
-    exes = [BUILD / BENCH, BUILD / TEST]
+def built(arch: str) -> list[Path]:
+    exes = [build_dir(arch) / BENCH, build_dir(arch) / TEST]
     missing = [str(p) for p in exes if not p.is_file()]
     if missing:
-        raise BenchError(f"{', '.join(missing)} not found: run `python benchmarks/core_arm.py --build` first")
+        raise BenchError(f"{', '.join(missing)} not found: run `python benchmarks/core_device.py --build --arch {arch}` "
+                         "first")
     return exes
 
 
+def machine_arch() -> str:
+    arch = {"arm64": "aarch64", "amd64": "x86_64"}.get(platform.machine().lower(), platform.machine().lower())
+    if arch not in COMPILERS:
+        raise BenchError(f"this machine is {platform.machine()}: the core builds for {' and '.join(COMPILERS)}; "
+                         "use --adb for a phone")
+    return arch
+
+
 class Local:
-    """This machine (must be aarch64)."""
+    """This machine, from the static build for its arch (aarch64: NEON; x86-64: e.g. more cores than ours)."""
 
     def __init__(self):
-        if platform.machine() not in ("aarch64", "arm64"):
-            raise BenchError(f"this machine is {platform.machine()}, not aarch64: use --adb for a phone, "
-                             "or run this on an ARM Linux machine")
-        self.dir = BUILD
-        built()
+        self.dir = build_dir(machine_arch())
+        built(machine_arch())
 
     def run(self, exe: str, args: list, env: dict | None = None) -> str:
         proc = subprocess.run([str(self.dir / exe), *map(str, args)], capture_output=True, text=True,
-                              env={**os.environ, **(env or {})}, timeout=1800)
+                              env={**os.environ, **{k: str(v) for k, v in (env or {}).items()}}, timeout=1800)
         if proc.returncode:
             raise BenchError(f"{exe} {' '.join(map(str, args))} failed (exit {proc.returncode}): {proc.stdout[-800:]}"
                              f"{proc.stderr[-400:]}")
@@ -94,7 +107,7 @@ class Adb:
     def __init__(self, adb: str, serial: str | None):
         path = find_adb(adb)
         self.base = [path, "-s", pick_device(list_devices(path), serial)]
-        for exe in built():
+        for exe in built("aarch64"):
             self._adb(["push", str(exe), f"{REMOTE}/{exe.name}"], f"pushing {exe.name}")
         self._adb(["shell", f"chmod 755 {REMOTE}/{BENCH} {REMOTE}/{TEST}"], "making the binaries executable")
 
@@ -116,11 +129,15 @@ class Adb:
 
 
 def cpu_text(cpuinfo: str, name: str) -> str:
-    """'<name>: CPU parts 0xd05 0xd0d, asimddp i8mm' from /proc/cpuinfo (parts: one per core cluster)."""
+    """'<name>: <CPU>, <SIMD features>' from /proc/cpuinfo: ARM CPU parts (one per core cluster) and
+    asimddp/i8mm/sve, or the x86 model name and avx2/avx512f/avx512_vnni."""
+    models = sorted(set(re.findall(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)))
     parts = sorted(set(re.findall(r"^CPU part\s*:\s*(\S+)", cpuinfo, re.M)))
-    features = set(re.findall(r"^Features\s*:\s*(.*)$", cpuinfo, re.M)[0].split()) if "Features" in cpuinfo else set()
-    flags = [f for f in ("asimddp", "i8mm", "sve", "sve2") if f in features]
-    return f"{name}: CPU parts {' '.join(parts) or '?'}, {' '.join(flags) or 'no dotprod'}"
+    flags = re.findall(r"^(?:Features|flags)\s*:\s*(.*)$", cpuinfo, re.M)
+    have = set(flags[0].split()) if flags else set()
+    simd = [f for f in ("asimddp", "i8mm", "sve", "sve2", "avx2", "avx512f", "avx512_vnni") if f in have]
+    cpu = " / ".join(models) if models else f"CPU parts {' '.join(parts) or '?'}"
+    return f"{name}: {cpu}, {' '.join(simd) or 'no dotprod'}"
 
 
 def parse_step(line: str) -> tuple[float, float, int]:
@@ -135,9 +152,14 @@ def reps_for(ctx: int) -> int:
     return max(20, min(400, 2_000_000 // ctx))  # as benchmarks/kernels.py's core rows
 
 
-def measure(target, ctxs: list, dims: list, threads: list, reps: int | None) -> dict:
+def measure(target, ctxs: list, dims: list, threads: list, reps: int | None, only: list | None) -> dict:
     tests = target.run(TEST, [])
     paths = target.run(BENCH, ["--paths"]).split()
+    if only:
+        missing = [p for p in only if p not in paths]
+        if missing:
+            raise BenchError(f"--paths {' '.join(missing)}: not on this CPU, which has {' '.join(paths)}")
+        paths = only
     rows = []
     for hq, hkv, d in dims:
         for ctx in ctxs:
@@ -157,38 +179,42 @@ def measure(target, ctxs: list, dims: list, threads: list, reps: int | None) -> 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--build", action="store_true", help="cross-build build/aarch64-bench here and exit")
+    ap.add_argument("--build", action="store_true", help="build build/ARCH-bench here and exit")
+    ap.add_argument("--arch", default="aarch64", help="with --build: aarch64 (default; cross) or x86_64")
     ap.add_argument("--adb", action="store_true", help="run on an Android phone over adb")
     ap.add_argument("--serial", help="the phone's serial (`adb devices`) when several are connected")
     ap.add_argument("--adb-path", default="adb", help="the adb executable (default: adb on PATH)")
     ap.add_argument("--ctx", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--dims", nargs="+", default=["9/3/64", "32/8/128"], help="Hq/Hkv/D (default: SmolLM2's, 32/8/128)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--paths", nargs="+", help="the code paths to time (default: every one the CPU has)")
     ap.add_argument("--reps", type=int, help="timed steps per cell (default: as kernels.py, 20..400 by ctx)")
-    ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "core_arm.json")
+    ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "core_device.json")
     a = ap.parse_args(argv)
     try:
         dims = [tuple(int(x) for x in s.split("/")) for s in a.dims]
         if any(len(d) != 3 or min(d) <= 0 or d[0] % d[1] for d in dims):
             raise ValueError
     except ValueError:
-        print(f"core_arm.py: --dims {' '.join(a.dims)}: give Hq/Hkv/D, positive, Hq a multiple of Hkv (e.g. 9/3/64)",
+        print(f"core_device.py: --dims {' '.join(a.dims)}: give Hq/Hkv/D, positive, Hq a multiple of Hkv (e.g. 9/3/64)",
               file=sys.stderr)
         return 2
     if min(a.ctx + a.threads + [a.reps or 1]) <= 0:
-        print("core_arm.py: --ctx, --threads and --reps must be positive", file=sys.stderr)
+        print("core_device.py: --ctx, --threads and --reps must be positive", file=sys.stderr)
         return 2
     try:
         if a.build:
-            build()
+            if a.arch not in COMPILERS:
+                raise BenchError(f"--arch {a.arch}: use {' or '.join(COMPILERS)}")
+            build(a.arch)
             return 0
         target = Adb(a.adb_path, a.serial) if a.adb else Local()
         cpu = target.cpu()
         print(f"{cpu}\n\n| path | Hq/Hkv/D | ctx | threads | ms | GB/s | floor ms | floor / step |\n"
               "|---|---|---:|---:|---:|---:|---:|---:|", flush=True)
-        out = {"cpu": cpu, "where": "adb" if a.adb else "local", **measure(target, a.ctx, dims, a.threads, a.reps)}
+        out = {"cpu": cpu, "where": "adb" if a.adb else "local", **measure(target, a.ctx, dims, a.threads, a.reps, a.paths)}
     except PagedKVError as e:
-        print(f"core_arm.py: {e}", file=sys.stderr)
+        print(f"core_device.py: {e}", file=sys.stderr)
         return 2
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(out, indent=1) + "\n")
