@@ -137,7 +137,7 @@ def cpu_text(cpuinfo: str, name: str) -> str:
     have = set(flags[0].split()) if flags else set()
     simd = [f for f in ("asimddp", "i8mm", "sve", "sve2", "avx2", "avx512f", "avx512_vnni") if f in have]
     cpu = " / ".join(models) if models else f"CPU parts {' '.join(parts) or '?'}"
-    return f"{name}: {cpu}, {' '.join(simd) or 'no dotprod'}"
+    return f"{name}: {cpu}, {' '.join(simd) or 'none of those SIMD features'}"
 
 
 def parse_step(line: str) -> tuple[float, float, int]:
