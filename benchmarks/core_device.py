@@ -1,5 +1,6 @@
-"""The kernel core alone on a machine without our Python environment: an Android phone over adb (the NEON
-paths on real ARM hardware), or any aarch64 or x86-64 Linux machine (e.g. one with more cores than ours).
+"""The kernel core alone, as static binaries: on an Android phone over adb (the NEON paths on real ARM
+hardware), or on any aarch64 or x86-64 Linux machine with this repo and Python + numpy (e.g. one with
+more cores than ours); the same line parsing and default repetitions as benchmarks/kernels.py's core rows.
 
     python benchmarks/core_device.py --build             # here: cross-build build/aarch64-bench
     python benchmarks/core_device.py --adb [--serial S]  # a phone with USB debugging on: push, test, measure
@@ -32,13 +33,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.kernels import core_reps, parse_core_bench  # noqa: E402
 from toolkit.deploy import find_adb, list_devices, pick_device  # noqa: E402
 from toolkit.errors import PagedKVError  # noqa: E402
 
 COMPILERS = {"aarch64": "aarch64-linux-gnu-g++", "x86_64": "g++"}  # static builds per target arch
 BENCH, TEST = "pagedkv_core_bench", "pagedkv_core_test"
 REMOTE = "/data/local/tmp/pagedkv-core-bench"  # adb can write and execute there on every Android
-STEP = re.compile(r":\s+([\d.]+) ms\s+([\d.]+) GB/s.* bytes (\d+)")
 
 
 class BenchError(PagedKVError):
@@ -140,16 +141,12 @@ def cpu_text(cpuinfo: str, name: str) -> str:
     return f"{name}: {cpu}, {' '.join(simd) or 'none of those SIMD features'}"
 
 
-def parse_step(line: str) -> tuple[float, float, int]:
-    """(ms, GB/s, bytes) of one pagedkv_core_bench line (attention or walk)."""
-    m = STEP.search(line)
-    if not m:
-        raise BenchError(f"unexpected {BENCH} output: {line.strip()[:200]!r}")
-    return float(m.group(1)), float(m.group(2)), int(m.group(3))
-
-
-def reps_for(ctx: int) -> int:
-    return max(20, min(400, 2_000_000 // ctx))  # as benchmarks/kernels.py's core rows
+def parse_step(out: str) -> tuple[float, int]:
+    """(ms, bytes) of one pagedkv_core_bench line (attention or walk), a bad line as a BenchError."""
+    try:
+        return parse_core_bench(out)
+    except RuntimeError as e:
+        raise BenchError(str(e)[:300]) from None
 
 
 def measure(target, ctxs: list, dims: list, threads: list, reps: int | None, only: list | None) -> dict:
@@ -164,11 +161,12 @@ def measure(target, ctxs: list, dims: list, threads: list, reps: int | None, onl
     for hq, hkv, d in dims:
         for ctx in ctxs:
             for t in threads:
-                n = reps or reps_for(ctx)
+                n = reps or core_reps(ctx)
                 args = [ctx, hq, hkv, d, t, n]
                 floor_ms = parse_step(target.run(BENCH, args, {"BENCH_WALK": 1}))[0]
                 for path in paths:
-                    ms, gbs, nbytes = parse_step(target.run(BENCH, args + [path]))
+                    ms, nbytes = parse_step(target.run(BENCH, args + [path]))
+                    gbs = nbytes / ms / 1e6  # what the bench prints beside ms, unrounded
                     row = {"path": path, "dims": f"{hq}/{hkv}/{d}", "ctx": ctx, "threads": t, "ms": ms,
                            "gb_s": gbs, "bytes": nbytes, "floor_ms": floor_ms, "floor_over_step": floor_ms / ms}
                     rows.append(row)

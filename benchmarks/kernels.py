@@ -488,6 +488,11 @@ def parse_core_bench(out: str) -> tuple:
     return float(m.group(1)), int(m.group(2))
 
 
+def core_reps(ctx: int, cold: bool = False) -> int:
+    """Timed steps of one pagedkv_core_bench cell by default: ~2M cached tokens' worth, 20..400 (30 cold)."""
+    return 30 if cold else max(20, min(400, int(2e6 / ctx)))
+
+
 def core_bench(path, hq, hkv, d, ctx, threads, reps=None, hot_blocks=0, walk=False, cold_mib=0):
     """(median ms, bytes) of one decode step of the core alone on one code path (toolkit/csrc/
     pagedkv_core_bench: the default spec, random codes, shuffled blocks; hot_blocks > 0: the block table
@@ -496,7 +501,7 @@ def core_bench(path, hq, hkv, d, ctx, threads, reps=None, hot_blocks=0, walk=Fal
     reading that many MiB)."""
     import subprocess
 
-    reps = reps or (30 if cold_mib else max(20, min(400, int(2e6 / ctx))))
+    reps = reps or core_reps(ctx, cold=bool(cold_mib))
     argv, env = core_bench_cmd(path, hq, hkv, d, ctx, threads, reps, hot_blocks, walk, cold_mib)
     return parse_core_bench(subprocess.run(argv, capture_output=True, text=True, check=True, env=env).stdout)
 
