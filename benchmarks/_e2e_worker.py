@@ -162,11 +162,12 @@ def run_hf(args, ids):
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from toolkit.model_loading import converted_gguf_dir, load_model, smollm2_gguf_path
+    from toolkit.model_loading import converted_gguf_dir, load_model
+    from toolkit.model_registry import model_file
 
     rss_imports = rss_now()
     t0 = time.perf_counter()
-    hf_dir = converted_gguf_dir(smollm2_gguf_path())
+    hf_dir = converted_gguf_dir(model_file("smollm2"))
     if not (hf_dir / "config.json").is_file():
         load_model("smollm2")  # converts the GGUF once
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()

@@ -419,9 +419,9 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(HERE.parent))
     from e2e import prepare_ids
 
-    from toolkit.model_loading import smollm2_gguf_path
+    from toolkit.model_registry import model_file
 
-    gguf = str(smollm2_gguf_path())
+    gguf = str(model_file("smollm2"))
     ids_file = prepare_ids(args.text, max(args.ctx))
     failures, arts, exports = [], {}, {}
     for s in systems:

@@ -131,12 +131,13 @@ def tail(text: str, n: int = 6) -> str:
 
 def prepare_ids(text: Path, max_ctx: int) -> Path:
     """First max_ctx + 64 tokens of the text (no BOS), cached as JSON for the workers."""
-    from toolkit.model_loading import converted_gguf_dir, load_model, smollm2_gguf_path
+    from toolkit.model_loading import converted_gguf_dir, load_model
+    from toolkit.model_registry import model_file
 
     out = cache_root() / "bench-artifacts" / f"ids-{text.name}-{max_ctx + 64}.json"
     if out.is_file():
         return out
-    hf_dir = converted_gguf_dir(smollm2_gguf_path())
+    hf_dir = converted_gguf_dir(model_file("smollm2"))
     if not (hf_dir / "config.json").is_file():
         load_model("smollm2")
     from transformers import AutoTokenizer
@@ -360,7 +361,7 @@ def main(argv=None) -> int:
     wall0 = time.time()
 
     from toolkit.compiler import model_dims  # noqa: F401  (fails early if the repo venv is incomplete)
-    from toolkit.model_loading import smollm2_gguf_path
+    from toolkit.model_registry import model_file
     from toolkit.native import KernelLibraryMissing, ort_library_path
     from toolkit.quant import resolve_spec
 
@@ -370,7 +371,7 @@ def main(argv=None) -> int:
             ort_library_path()
         except KernelLibraryMissing as e:
             raise SystemExit(f"the native kernel is not built ({e}): run `make native` first")
-    gguf = str(smollm2_gguf_path())
+    gguf = str(model_file("smollm2"))
     ids_file = prepare_ids(args.text, max(args.ctx))
     failures: list[dict] = []
 

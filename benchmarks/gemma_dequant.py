@@ -71,7 +71,8 @@ def main(argv=None) -> int:
     import torch
 
     from tests.helpers import hf_greedy
-    from toolkit.model_loading import gemma3_gguf_path, load_model
+    from toolkit.model_loading import load_model
+    from toolkit.model_registry import model_file
 
     from benchmarks.llamacpp_peer import build_flags, ensure_llamacpp, llamacpp_python
 
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
     if not ok:
         sys.exit(f"llama.cpp is unavailable: {llama_version}")
     py = llamacpp_python(args.llamacpp_venv)
-    gguf = gemma3_gguf_path()
+    gguf = model_file("gemma3-270m")
     model, tok = load_model("gemma3-270m")
     bos = tok.bos_token_id
     prompt_ids = [bos] + tok(PROMPT, add_special_tokens=False)["input_ids"]

