@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv demo test test-fast pytest clean bench
+.PHONY: venv demo test test-fast pytest clean bench hooks
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,10 @@ test: venv native-test pytest
 # the edit loop: the tests marked fast in tests/conftest.py (no cross builds, exports or sanitizers)
 test-fast: venv native
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m fast
+
+# the commit-msg check (CONTRIBUTING.md): subjects of at most 72 characters, then a blank line
+hooks:
+	git config core.hooksPath .githooks
 
 clean:
 	rm -rf build .hypothesis

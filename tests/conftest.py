@@ -23,7 +23,7 @@ WIKITEXT = SHARED_DATA / "wikitext-2-raw" / "wiki.test.raw"
 # Whole modules that are fast: pure Python or one small native build of their own.
 FAST_MODULES = {
     "test_block_pool", "test_op_reference", "test_plan", "test_simulate", "test_tokenizer", "test_op_contract",
-    "test_twins", "test_model_loading", "test_fidelity", "test_engine", "test_eval_speed",
+    "test_twins", "test_model_loading", "test_fidelity", "test_engine", "test_eval_speed", "test_house",
 }
 # In these modules, the tests whose node id contains one of the strings are fast.
 FAST_TESTS = {
