@@ -438,13 +438,12 @@ def main(argv=None) -> int:
 
     from toolkit.compiler import model_dims
     from toolkit.fidelity import tokenize, tokenizer_bos
-    from toolkit.kv_spec import default_spec_name
     from toolkit.model_loading import load_model
 
     model, tokenizer = load_model(args.model)
     model.eval()
     dims = model_dims(model.config)
-    default = resolve_spec(args.spec or default_spec_name(model.config.model_type)).validate(dims.head_dim)
+    default = resolve_spec(args.spec or "default").validate(dims.head_dim)
     rows = [Row("fp32", None), Row("default", None)] + [parse_candidate(c) for c in args.candidates]
     if args.sliding_spec:
         if not global_layers(model.config) or len(global_layers(model.config)) == dims.num_layers:

@@ -127,12 +127,11 @@ def export_ours(max_ctx: int, horizon: int | None = None, sliding_spec: str | No
     horizon + 512 tokens and a compact region for the rest; the sliding layers in sliding_spec if given."""
     from export.artifacts import PoolRequest, export_artifacts
 
-    from toolkit.kv_spec import default_spec_name
     from toolkit.manifest import LOGITS_ROWS
 
-    # the KV spec export picks for Gemma 3 (best), int4 linears + int4 token table and tied head (int4-e4:
+    # the KV spec best, int4 linears + int4 token table and tied head (int4-e4:
     # with the head in fp32, its 262144 x 640 MatMul reads 671 MB per token and dominates decode)
-    spec = default_spec_name("gemma3_text")
+    spec = "best"
     pool_tokens = -(-(max_ctx + 256) // 1024) * 1024
     safe = lambda text: "".join(c if c.isalnum() else "_" for c in text)  # noqa: E731
     name = f"gemma3-270m-onnx-int4-e4-{spec}-{pool_tokens}"

@@ -20,10 +20,12 @@ from pathlib import Path
 
 from rich.console import Console
 
+from toolkit.calibration import (DEFAULT_MAX_KLD, KEY_OFFSETS_FILE, calibrate, calibration_ids, check_max_kld,
+                                 failing_roles, passing_spec, write_key_offsets)
 from toolkit.errors import ArtifactError, PagedKVError, SpecError
 from toolkit.manifest import sha256_file, write_manifest
 from toolkit.pool_layout import PoolLayout, budget_blocks, check_block_size
-from toolkit.kv_spec import KVQuantSpec, default_spec_name, resolve_spec
+from toolkit.kv_spec import DEFAULT_CANDIDATES, PRESETS, KVQuantSpec, resolve_spec
 
 FORMATS = ("onnx", "pte")
 ONNX_WEIGHTS = ("fp32", "int4", "int4-e4")
@@ -86,16 +88,6 @@ class PoolRequest:
         if tokens < 1:
             raise SpecError(f"--pool-tokens {tokens}: the pool needs at least one token.")
         return -(-tokens // self.block_size)
-
-
-def model_default_spec(config, console: Console | None = None) -> KVQuantSpec:
-    """The KV spec export uses when none is given: the model type's default (kv_spec.default_spec_name)."""
-    from toolkit.model_dims import text_config
-
-    name = default_spec_name(getattr(text_config(config), "model_type", None))
-    if console is not None and name != "default":
-        console.print(f"[dim]  KV spec: {name} (the default for {text_config(config).model_type}; --spec overrides)[/]")
-    return resolve_spec(name).validate()
 
 
 def budget_groups(config, req: PoolRequest, spec: KVQuantSpec, sliding_spec: KVQuantSpec | None = None) -> list:
@@ -285,13 +277,22 @@ def export_artifacts(
     model_and_tokenizer=None,
     force: bool = False,
     sliding_spec: str | dict | KVQuantSpec | None = None,
+    calib_text: str | Path | None = None,
+    max_kld: float = DEFAULT_MAX_KLD,
+    accept_fidelity: bool = False,
 ) -> dict:
     """Export `model_path` to `out_dir` atomically; returns the manifest. `model_and_tokenizer` skips loading.
     An existing non-empty `out_dir` is refused unless `force` (then replaced whole). spec None: the
-    model type's default (kv_spec.default_spec_name). max_logits_rows bounds the logits rows one .pte call
+    candidate of kv_spec.DEFAULT_CANDIDATES with the lower calibration KLD. max_logits_rows bounds the logits rows one .pte call
     computes (export_pte); None: all of the call's tokens. sliding_spec: the sliding layers' own KV spec
-    (compile(sliding_spec=); the manifest is then format 2); None: every layer stores `spec`."""
+    (compile(sliding_spec=); the manifest is then format 2); None: every layer stores `spec`.
+
+    Calibration (toolkit/calibration.py): a quantized pool's key offsets are measured on `calib_text`
+    (default toolkit/data/calibration.txt) and every spec of the pool (default region, compact region,
+    sliding layers) is scored against the unquantized pool there; a spec whose KLD exceeds `max_kld` is
+    refused (SpecError naming a spec that passes) unless `accept_fidelity`. The manifest records both."""
     console = console or Console(stderr=True)
+    max_kld = check_max_kld(max_kld)
     formats = tuple(dict.fromkeys(formats))
     check_options(formats, onnx_weights, pte_weights, max_tokens_per_call, max_logits_rows)
     if spec is not None:
@@ -309,19 +310,23 @@ def export_artifacts(
     if model_and_tokenizer is None:
         config = preflight_model(model_path)
         if config is not None:  # spec and pool against the model's dims, before the weights load
-            spec = spec or model_default_spec(config, console)
-            make_layout(config, spec, pool, sliding_spec)
+            make_layout(config, spec or PRESETS[DEFAULT_CANDIDATES[0]], pool, sliding_spec)
 
     tmp = None
     try:
         from toolkit.model_loading import load_model
 
         model, tokenizer = model_and_tokenizer or load_model(model_path)
-        spec = spec or model_default_spec(model.config, console)
+        candidates = [spec] if spec is not None else [PRESETS[n] for n in DEFAULT_CANDIDATES]
+        layout = make_layout(model.config, candidates[0], pool, sliding_spec)
+        cal = _calibrate(model, tokenizer, candidates, layout, sliding_spec, calib_text, max_kld, accept_fidelity,
+                         console)
+        spec = cal.spec if cal is not None else candidates[0]
         layout = make_layout(model.config, spec, pool, sliding_spec)
         tmp = _new_temp_dir(out_dir)
         manifest = _write_all(model, tokenizer, model_path, tmp, formats, spec, layout, onnx_weights, pte_weights,
-                              max_tokens_per_call, console, max_logits_rows, sliding_spec)
+                              max_tokens_per_call, console, max_logits_rows, sliding_spec,
+                              (cal, max_kld, accept_fidelity))
         _replace_dir(tmp, out_dir)
         tmp = None
     except OSError as e:  # a full disk or a vanished dir: one line, nothing left behind
@@ -334,9 +339,54 @@ def export_artifacts(
     return manifest
 
 
+def _calibrate(model, tokenizer, candidates, layout, sliding_spec, calib_text, max_kld: float, accept: bool,
+               console):
+    """Key offsets and the fidelity of each of the pool's specs on the calibration text; with several
+    candidate pool specs (no --spec: kv_spec.DEFAULT_CANDIDATES, equal bytes) the one of lower KLD is the
+    pool's (Calibration.spec). SpecError (one line: the spec, its KLD, the bound and a spec that passes)
+    when a spec exceeds max_kld and not accept. None for a float pool (nothing quantized, nothing to guard)."""
+    from toolkit.fidelity import spec_name
+    from toolkit.model_dims import model_dims
+
+    spec = candidates[0]
+    if spec.is_float:
+        return None
+    roles = {"pool": candidates} if len(candidates) > 1 else {"pool": spec}
+    if layout.compact is not None:
+        roles["compact"] = layout.compact
+    if sliding_spec is not None:
+        roles["sliding"] = sliding_spec
+    ids, name = calibration_ids(tokenizer, calib_text, vocab_size=model_dims(model.config).vocab_size)
+    t0 = time.time()
+    with console.status(f"calibrating on {len(ids)} tokens of {name} (key offsets, the fidelity of "
+                        f"{', '.join(roles)})..."):
+        cal = calibrate(model, ids, roles, name)
+    if len(candidates) > 1:
+        console.print(f"[dim]  KV spec: {spec_name(cal.spec)}, the lower calibration KLD of "
+                      f"{', '.join(spec_name(c) for c in candidates)} (equal bytes; --spec overrides)[/]")
+    for role, f in cal.fidelity.items():
+        console.print(f"[dim]  calibration: {role} {f['spec']}: KLD {f['kld']:.5f}, top-1 {100 * f['top1']:.1f}% "
+                      f"vs the unquantized pool ({time.time() - t0:.1f} s)[/]")
+    bad = failing_roles(cal, max_kld)
+    if not bad or accept:
+        return cal
+    role, f = bad[0], cal.fidelity[bad[0]]
+    flag = {"pool": "--spec", "compact": "--compact-spec", "sliding": "--sliding-spec"}[role]
+    if role == "pool":
+        alt = passing_spec(model, ids, cal.offsets, max_kld, skip=tuple(candidates))
+        fix = (f"{flag} {alt[0]} measures {alt[1]:.4f}" if alt else "no preset passes on this model either") + \
+            ", or raise --max-kld"
+    else:
+        fix = f"give {flag} more bits, or raise --max-kld"
+    raise SpecError(f"the {role} spec {f['spec']} loses too much on this model: KLD {f['kld']:.4g} vs the unquantized "
+                    f"pool on {cal.tokens} calibration tokens, over the bound {max_kld:g}; {fix}, or pass "
+                    "--accept-fidelity to export it anyway.")
+
+
 def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, onnx_weights, pte_weights,
-               max_tokens_per_call, console, max_logits_rows=None, sliding_spec=None) -> dict:
-    """Write every file of the export into `out` (a fresh dir); the manifest last."""
+               max_tokens_per_call, console, max_logits_rows=None, sliding_spec=None, calibration=None) -> dict:
+    """Write every file of the export into `out` (a fresh dir); the manifest last. calibration: (Calibration,
+    max_kld, accepted) or None."""
     from toolkit.compiler import compile, groups_manifest, model_dims, sliding_pool_blocks
     from toolkit.manifest import check_file_name, weights_sha256
 
@@ -348,13 +398,19 @@ def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, o
         tok_files = sorted({Path(p).name for p in tokenizer.save_pretrained(out) if Path(p).is_file()})
     for name in tok_files:
         check_file_name(name, "tokenizer file")
+    cal = calibration[0] if calibration else None
+    offsets = cal.offsets if cal else None
+    offsets_sha = None
+    if offsets is not None:
+        write_key_offsets(out / KEY_OFFSETS_FILE, offsets)
+        offsets_sha = sha256_file(out / KEY_OFFSETS_FILE)
     artifacts = {}
     for fmt in formats:  # onnx before pte: 8da4w quantizes the weights in place
         t0 = time.time()
         paged = compile(model, spec, block_size=layout.block_size, num_blocks=layout.num_blocks,
                         max_seqs=layout.max_seqs, compact_blocks=layout.num_compact_blocks,
                         sliding_blocks=sliding_pool_blocks(model.config, layout.block_size, layout.max_seqs),
-                        sliding_spec=sliding_spec, compact_spec=layout.compact)
+                        sliding_spec=sliding_spec, compact_spec=layout.compact, key_offsets=offsets)
         what = spec.describe() + (f"; sliding layers {sliding_spec.describe()}" if sliding_spec else "")
         with console.status(f"exporting {fmt} ({dims.num_layers} layers, {what})..."):
             if fmt == "onnx":
@@ -397,6 +453,9 @@ def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, o
         "artifacts": artifacts,
         "tokenizer_files": tok_files,
         **chat_fields(tokenizer, _eos_ids(model, tokenizer), dims.vocab_size),
+        **({"calibration": cal.to_manifest(offsets_sha, calibration[1],
+                                           calibration[2] and bool(failing_roles(cal, calibration[1])))}
+           if cal else {}),
     }
     write_manifest(out, manifest)
     from toolkit.manifest import read_manifest

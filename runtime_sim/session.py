@@ -130,6 +130,7 @@ def make_backend(art_dir: Path, manifest: dict, backend: str, native: bool | Non
         return ExecuTorchBackend(path, layout, manifest["artifacts"]["pte"], threads=threads, groups=groups)
     if backend == "torch":
         from runtime_sim.backends import TorchBackend
+        from toolkit.calibration import read_key_offsets
         from toolkit.compiler import compile
         from toolkit.model_loading import load_model
 
@@ -143,7 +144,7 @@ def make_backend(art_dir: Path, manifest: dict, backend: str, native: bool | Non
         paged = compile(model, layout.spec, block_size=layout.block_size, num_blocks=layout.num_blocks,
                         max_seqs=layout.max_seqs, sliding_blocks=max(sliding) if sliding else None,
                         compact_blocks=layout.num_compact_blocks, sliding_spec=own[0] if own else None,
-                        compact_spec=layout.compact)
+                        compact_spec=layout.compact, key_offsets=read_key_offsets(art_dir, manifest))
         return TorchBackend(paged)
     raise PagedKVError(f"unknown backend '{backend}': use one of {', '.join(BACKENDS)}.")
 

@@ -41,3 +41,11 @@ def naive_attention_loop(q_tok, hist_k, hist_v, p, rot, seen, scale, window, sof
         w = torch.softmax(torch.tensor(logits + [float(sinks[h])]), 0)[:-1]
         out[h] = rot(sum(wi * vi for wi, vi in zip(w, values)))
     return out
+
+
+def export_key_offsets(art_dir):
+    """The key offsets an export calibrated (toolkit/calibration.py), for a reference compiled beside it."""
+    from toolkit.calibration import read_key_offsets
+    from toolkit.manifest import read_manifest
+
+    return read_key_offsets(art_dir, read_manifest(art_dir))

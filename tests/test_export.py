@@ -12,7 +12,7 @@ from runtime_sim.engine import Engine
 from runtime_sim.session import open_artifacts
 from toolkit.compiler import compile
 from toolkit.tiny_models import tiny_model
-from tests.helpers import hf_greedy
+from tests.helpers import export_key_offsets, hf_greedy
 
 FAMILIES = ["llama", "qwen3", "gemma3"]
 BACKENDS = [("onnxruntime", False), ("onnxruntime", True), ("executorch", None)]
@@ -66,7 +66,8 @@ def test_default_spec_logits_match_reference_op(quant_artifacts, backend, native
     sliding = [g.num_blocks for g in engine.groups if g.window]  # the export sized its sliding pools
     ref = Engine(TorchBackend(compile(tiny_model(family, num_layers=1), lay.spec, block_size=lay.block_size,
                                       num_blocks=lay.num_blocks, max_seqs=lay.max_seqs,
-                                      sliding_blocks=max(sliding, default=None))), prefill_chunk=16)
+                                      sliding_blocks=max(sliding, default=None),
+                                      key_offsets=export_key_offsets(art))), prefill_chunk=16)
     a, b = engine.new_conversation(), ref.new_conversation()
     # prefill chunks, then decode steps: quantized blocks, the float tail and the sink all in play.
     # Before each call the reference continues from the backend's pool: the backends' matmuls round
@@ -166,12 +167,16 @@ def test_manifest_describes_pool_and_artifacts(fp32_artifacts):
     assert m["versions"]["executorch"] == "1.5.1" and m["versions"]["torch"].startswith("2.13.0")
 
 
-def test_export_without_spec_takes_the_model_types_default():
-    """Gemma 3 exports with `best` unless --spec says otherwise (kv_spec.MODEL_DEFAULT_SPECS); others with default."""
-    from export.artifacts import model_default_spec
-    from toolkit.kv_spec import PRESETS
-    from toolkit.tiny_models import tiny_config
+def test_export_without_spec_takes_the_candidate_of_lower_kld(tmp_path):
+    """No --spec: export scores default and best (equal bytes) on the calibration text and keeps the lower KLD,
+    by measurement, not by model name; the manifest records both KLDs."""
+    from toolkit.kv_spec import DEFAULT_CANDIDATES, PRESETS
+    from toolkit.manifest import layout_from_manifest
 
-    assert model_default_spec(tiny_config("gemma3")) == PRESETS["best"]
-    assert model_default_spec(tiny_config("llama")) == PRESETS["default"]
-    assert model_default_spec(tiny_config("gemma2")) == PRESETS["default"]
+    for family in ("llama", "gemma3"):
+        m = export_artifacts(f"tiny-{family}", tmp_path / family, ("onnx",), None, PoolRequest(pool_tokens=64),
+                             model_and_tokenizer=(tiny_model(family, num_layers=1), None))
+        got = m["calibration"]["candidates"]
+        assert set(got) == set(DEFAULT_CANDIDATES)
+        assert layout_from_manifest(m).spec == PRESETS[min(got, key=got.get)]
+        assert m["calibration"]["fidelity"]["pool"]["kld"] == min(got.values())

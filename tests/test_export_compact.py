@@ -20,6 +20,7 @@ from runtime_sim.backends import TorchBackend
 from runtime_sim.compact import compact_aged
 from runtime_sim.engine import Engine
 from runtime_sim.session import open_artifacts
+from tests.helpers import export_key_offsets
 from toolkit.compiler import compile
 from toolkit.manifest import layout_from_manifest, pool_identity
 from toolkit.tiny_models import tiny_model
@@ -38,6 +39,7 @@ def _export(tmp_path_factory, family, compact_blocks, formats=("onnx", "pte")):
         f"tiny-{family}", out, formats, "default",
         PoolRequest(pool_tokens=256, max_seqs=2, compact_blocks=compact_blocks), max_tokens_per_call=32,
         model_and_tokenizer=(tiny_model(family, num_layers=FAMILIES[family]), None),
+        accept_fidelity=True,  # a random tiny model is no test of the compact spec's fidelity
     )
     return out
 
@@ -47,13 +49,13 @@ def compact_artifacts(request, tmp_path_factory):
     return request.param, _export(tmp_path_factory, request.param, COMPACT_BLOCKS)
 
 
-def _reference(engine, family) -> Engine:
+def _reference(engine, family, art) -> Engine:
     """The torch PagedModel (compile(compact_blocks=N)) of the same tiny model, pool and groups."""
     lay = engine.backend.layout
     sliding = [g.num_blocks for g in engine.groups if g.window]
     paged = compile(tiny_model(family, num_layers=FAMILIES[family]), lay.spec, block_size=lay.block_size,
                     num_blocks=lay.num_blocks, max_seqs=lay.max_seqs, sliding_blocks=max(sliding, default=None),
-                    compact_blocks=lay.num_compact_blocks)
+                    compact_blocks=lay.num_compact_blocks, key_offsets=export_key_offsets(art))
     return Engine(TorchBackend(paged), prefill_chunk=16)
 
 
@@ -102,7 +104,7 @@ def test_mixed_table_logits_match_the_torch_model(compact_artifacts, backend, na
         assert engine.backend.native is bool(native)
         # `pagedkv run/chat --policy auto` (their default): the compact tier's ladder on such an export
         assert open_artifacts(art, backend, native=native, policy="auto").policy == "adaptive"
-    ref = _reference(engine, family)
+    ref = _reference(engine, family, art)
     a, b = engine.new_conversation(), ref.new_conversation()
     engine.prefill(a, PROMPT)
     ref.prefill(b, PROMPT)

@@ -20,7 +20,7 @@ from toolkit.compiler import compile, layer_groups
 from toolkit.kv_spec import resolve_spec
 from toolkit.pool_layout import PoolLayout
 from toolkit.tiny_models import tiny_config, tiny_model
-from tests.helpers import hf_greedy
+from tests.helpers import export_key_offsets, hf_greedy
 
 BS = 16
 W = 24  # the tiny configs' sliding window
@@ -427,7 +427,8 @@ def test_sliding_spec_exports_and_runs_on_every_backend(tmp_path, wikitext):
         manifest_groups(bad)
 
     torch_paged = compile(tiny_model("gemma3"), "default", block_size=BS, num_blocks=10, max_seqs=1,
-                          sliding_blocks=groups[1].num_blocks, sliding_spec=sliding)
+                          sliding_blocks=groups[1].num_blocks, sliding_spec=sliding,
+                          key_offsets=export_key_offsets(art))
     engines = {"torch": Engine(TorchBackend(torch_paged), prefill_chunk=16),
                "ort-native": open_artifacts(art, native=True, prefill_chunk=16),
                "ort-fallback": open_artifacts(art, native=False, prefill_chunk=16),

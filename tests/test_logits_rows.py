@@ -11,7 +11,7 @@ from export.artifacts import PoolRequest, export_artifacts
 from runtime_sim.backends import TorchBackend
 from runtime_sim.session import open_artifacts
 from toolkit.compiler import compile
-from tests.helpers import hf_greedy
+from tests.helpers import export_key_offsets, hf_greedy
 from toolkit.cli import app
 from toolkit.tiny_models import tiny_model
 
@@ -56,7 +56,7 @@ def test_split_call_gives_every_row(one_row):
     pte = open_artifacts(one_row[0], "executorch").backend
     lay = pte.layout
     ref = TorchBackend(compile(model(), lay.spec, block_size=lay.block_size, num_blocks=lay.num_blocks,
-                               max_seqs=lay.max_seqs))
+                               max_seqs=lay.max_seqs, key_offsets=export_key_offsets(one_row[0])))
     ids = np.asarray(PROMPT[:20], np.int64)
     pos = np.arange(len(ids), dtype=np.int64)
     seq = np.zeros(len(ids), np.int64)

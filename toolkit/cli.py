@@ -128,10 +128,11 @@ def specs():
         b = bytes_per_token(spec, 1, 64)
         table.add_row(name, spec.describe(), str(b), f"{b / fp16_bytes_per_token(1, 64):.3f}x")
     Console().print(table)
-    from toolkit.kv_spec import MODEL_DEFAULT_SPECS
+    from toolkit.kv_spec import DEFAULT_CANDIDATES
 
-    per_model = ", ".join(f"{t}: {n}" for t, n in MODEL_DEFAULT_SPECS.items())
-    Console().print(f"`pagedkv export` without --spec uses 'default', except by model type: {per_model}.")
+    Console().print(f"`pagedkv export` without --spec measures {' and '.join(DEFAULT_CANDIDATES)} (equal bytes) on "
+                    "the calibration text and takes the one of lower KLD; every export refuses a spec whose KLD "
+                    "exceeds --max-kld there (its pagedkv.json records what was measured).")
 
 
 @app.command("eval")
@@ -159,6 +160,11 @@ def eval_(
                                        "llama.cpp's perplexity does. Default: when the tokenizer adds one (Gemma)."),
     kernel: str = typer.Option("native", "--kernel", help="The op of the spec rows: native (the C++ core, minutes) "
                                "or reference (its plain-PyTorch definition, ~10x slower; the same numbers to ~1e-4)."),
+    key_offsets: bool = typer.Option(True, "--key-offsets/--no-key-offsets", help="Subtract the per-layer mean key "
+                                     "measured on the calibration text from the quantized rows' keys, as export does "
+                                     "(exact for attention; what lets low-bit keys hold on Qwen2.5)."),
+    calib_text: Optional[Path] = typer.Option(None, "--calib-text", help="Text the key offsets are measured on "
+                                              "(its first 512 tokens). Default: toolkit/data/calibration.txt."),
 ):
     """Fidelity of KV specs (and of exported artifacts' weight formats) vs the unquantized pool of the fp32
     model: PPL, KL divergence, top-1 agreement (teacher-forced)."""
@@ -204,8 +210,16 @@ def eval_(
         specs = list(DEFAULT_SPECS)
     hf_model, tokenizer = load_model(model)
     rows = [open_artifact(a, hf_model, model, ctx, backend, threads) for a in artifacts]
+    offsets = None
+    if key_offsets:
+        from toolkit.calibration import calibration_ids
+        from toolkit.key_offsets import measure_key_offsets
+
+        with console.status("measuring key offsets on the calibration text..."):
+            offsets = measure_key_offsets(hf_model, calibration_ids(tokenizer, calib_text)[0])
     result = evaluate(hf_model, tokenizer, content, ctx, specs, windows, block_size, model_name=model, bos=bos,
-                      extra_rows=rows, kernel=kernel)
+                      extra_rows=rows, kernel=kernel, key_offsets=offsets)
+    result["key_offsets"] = offsets is not None
     if as_json:
         print(json.dumps(result))
     else:
@@ -222,8 +236,8 @@ def export_cmd(
     model: str = typer.Argument("smollm2", help="HF model dir, a .gguf file, or 'smollm2' (the default model)."),
     out: Path = typer.Option(Path("artifacts/smollm2"), "--out", "-o", help="Artifacts directory to write."),
     format: str = typer.Option("onnx", "--format", "-f", help="onnx, pte or all."),
-    spec: Optional[str] = typer.Option(None, help=SPEC_HELP + " Default: the model type's default "
-                                       "(best for Gemma 3, default for the others; see `pagedkv specs`)."),
+    spec: Optional[str] = typer.Option(None, help=SPEC_HELP + " Default: default or best (equal bytes), whichever "
+                                       "measures the lower KLD on the calibration text."),
     block_size: int = typer.Option(16, help="Tokens per block: 16 or 32."),
     pool_tokens: Optional[int] = typer.Option(None, help="Pool capacity in tokens (default 2048)."),
     pool_mb: Optional[float] = typer.Option(None, help="Pool size in MiB (instead of --pool-tokens); with "
@@ -248,6 +262,14 @@ def export_cmd(
     sliding_spec: Optional[str] = typer.Option(
         None, "--sliding-spec", help="KV spec of the sliding-window layers (Gemma 3: 15 of 18 layers), e.g. "
         "best:k_bits=6,v_bits=4; it may change bits, groups and symmetry only. Default: --spec for every layer."),
+    calib_text: Optional[Path] = typer.Option(
+        None, "--calib-text", help="Calibration text (its first 512 tokens): the key offsets are measured and every "
+        "spec of the pool is scored against the unquantized pool on it. Default: toolkit/data/calibration.txt."),
+    max_kld: float = typer.Option(
+        0.02, "--max-kld", help="Refuse a spec whose KLD vs the unquantized pool on the calibration text is above "
+        "this (specs that hold measure 0.0001-0.01; collapsed ones 0.05 and more)."),
+    accept_fidelity: bool = typer.Option(
+        False, "--accept-fidelity", help="Export even when a spec exceeds --max-kld (the manifest says so)."),
 ):
     """Compile MODEL's attention to the paged op and export it (ONNX and/or ExecuTorch .pte).
     The export is written next to --out and moved there only when it is complete."""
@@ -261,10 +283,16 @@ def export_cmd(
     s = resolve_spec(spec).validate() if spec is not None else None  # None: the model type's default
     sliding = resolve_spec(sliding_spec).validate() if sliding_spec is not None else None
     req = PoolRequest(pool_tokens, pool_mb, max_seqs, block_size, compact_blocks, compact_spec).check()
+    from toolkit.calibration import check_max_kld
+
+    check_max_kld(max_kld)
+    if calib_text is not None and not Path(calib_text).expanduser().is_file():
+        _bad(f"--calib-text {calib_text} does not exist: give a UTF-8 text file (a few hundred tokens or more).")
     check_out_dir(Path(out).expanduser().absolute(), force)
     man = export_artifacts(
         model, out, formats, s, req, onnx_weights=onnx_weights, pte_weights=pte_weights,
         max_tokens_per_call=max_tokens_per_call, max_logits_rows=max_logits_rows, force=force, sliding_spec=sliding,
+        calib_text=calib_text, max_kld=max_kld, accept_fidelity=accept_fidelity,
     )
     pool = man["pool"]
     console.print(

@@ -119,6 +119,7 @@ class PagedContext:
     functional: bool = False
     new_pools: dict = field(default_factory=dict)  # layer -> (codes, scales, stage), functional only
     compact_pools: dict = field(default_factory=dict)  # layer -> (compact codes, compact scales): the mixed op
+    key_offsets: tuple | None = None  # layer -> [Hkv, D] subtracted from its keys (toolkit/key_offsets.py)
 
 
 def op_scalar_args(spec: KVQuantSpec, head_dim: int, layer: int, scale: float, window: int, softcap: float):
@@ -151,6 +152,8 @@ def paged_attention_forward(
             f"layer {layer} attends with sliding_window={sliding_window}, but its layer group keeps only the last "
             f"{ctx.windows[g]} positions: the config's layer_types/sliding_window disagree with the model."
         )
+    if ctx.key_offsets is not None:  # exact: the softmax ignores a shift common to every key (key_offsets.py)
+        key = key - ctx.key_offsets[layer][None, :, None, :]
     scalars = op_scalar_args(ctx.layer_specs[layer], d, layer, scale, sliding_window or 0, softcap or 0.0)
     codes, scales, stage = ctx.pools[layer]
     tail = (ctx.positions, ctx.seq_ids, ctx.block_tables[g], sinks.float())
@@ -192,7 +195,8 @@ class PagedModel(nn.Module):
     and call the mixed op (pagedkv::quantized_paged_attention_mixed): their table may name compact blocks.
     """
 
-    def __init__(self, hf_model: nn.Module, layout: PoolLayout, groups: list[LayerGroup] | None = None):
+    def __init__(self, hf_model: nn.Module, layout: PoolLayout, groups: list[LayerGroup] | None = None,
+                 key_offsets: list[torch.Tensor] | None = None):
         super().__init__()
         self.hf = hf_model
         self.layout = layout
@@ -209,6 +213,17 @@ class PagedModel(nn.Module):
                 ccodes, cscales = self.layer_layout(i).allocate_compact_layer()
                 self.register_buffer(f"compact_codes_{i}", ccodes, persistent=False)
                 self.register_buffer(f"compact_scales_{i}", cscales, persistent=False)
+        self.has_key_offsets = key_offsets is not None
+        if key_offsets is not None:
+            check_key_offsets(key_offsets, self.dims)
+            for i, off in enumerate(key_offsets):
+                self.register_buffer(f"k_offset_{i}", off.float().clone())
+
+    def key_offsets(self) -> tuple | None:
+        """layer -> [Hkv, D] key offset (toolkit/key_offsets.py), or None when the model has none."""
+        if not self.has_key_offsets:
+            return None
+        return tuple(getattr(self, f"k_offset_{i}") for i in range(self.layout.num_layers))
 
     def layer_layout(self, layer: int) -> PoolLayout:
         """The layout of one layer's pool tensors (its group's block count and spec; the compact region
@@ -248,7 +263,8 @@ class PagedModel(nn.Module):
         specs = tuple(self.layer_layout(i).spec for i in range(self.layout.num_layers))
         ctx = PagedContext(self.layout, pools, positions, seq_ids, list(tables), self.layer_group, windows, specs,
                            functional,
-                           compact_pools=self.compact_pool_tensors() if compact is None else compact)
+                           compact_pools=self.compact_pool_tensors() if compact is None else compact,
+                           key_offsets=self.key_offsets())
         out = self.hf(
             input_ids=input_ids, position_ids=positions[None], use_cache=False, pagedkv=ctx, return_dict=True,
             logits_to_keep=0 if logits_rows is None else logits_rows,
@@ -306,6 +322,21 @@ def with_sliding_spec(groups: list[LayerGroup] | None, spec: KVQuantSpec, slidin
     return [dataclasses.replace(g, spec=sliding) if g.window else g for g in groups]
 
 
+def check_key_offsets(offsets, dims: ModelDims) -> None:
+    """Key offsets (one [num_kv_heads, head_dim] finite float tensor per layer) against the model, or
+    UnsupportedModelError naming what is wrong."""
+    if len(offsets) != dims.num_layers:
+        raise UnsupportedModelError(f"{len(offsets)} key offsets for a model of {dims.num_layers} layers: "
+                                    "give one per layer (re-run the calibration).")
+    want = (dims.num_kv_heads, dims.head_dim)
+    for i, off in enumerate(offsets):
+        if not isinstance(off, torch.Tensor) or tuple(off.shape) != want:
+            shape = tuple(off.shape) if isinstance(off, torch.Tensor) else type(off).__name__
+            raise UnsupportedModelError(f"the key offset of layer {i} has shape {shape}, expected {want}.")
+        if not bool(torch.isfinite(off).all()):
+            raise UnsupportedModelError(f"the key offset of layer {i} is not finite (NaN or Inf): re-run the calibration.")
+
+
 def compile(
     model: nn.Module,
     spec: str | KVQuantSpec = "default",
@@ -318,6 +349,7 @@ def compile(
     compact_blocks: int = 0,
     sliding_spec: str | KVQuantSpec | None = None,
     compact_spec: str | KVQuantSpec | None = None,
+    key_offsets: list[torch.Tensor] | None = None,
 ) -> PagedModel:
     """Rewrite `model`'s attention to the paged op (in place on the HF model) and wrap it with a pool.
 
@@ -331,7 +363,11 @@ def compile(
     COMPACT_SPEC).
 
     sliding_spec: the sliding groups' own KV spec (toolkit.kv_spec.check_group_spec: other bits, groups
-    or symmetry than `spec`); None (the default): every layer stores `spec`."""
+    or symmetry than `spec`); None (the default): every layer stores `spec`.
+
+    key_offsets: per layer a [num_kv_heads, head_dim] mean key subtracted from its keys before the op
+    (toolkit/key_offsets.py: exact for the attention, and what lets low-bit keys hold on families with
+    large per-channel key offsets); ignored for a float pool, which stores keys as they are."""
     preflight(model.config)
     spec = resolve_spec(spec)
     dims = model_dims(model.config)
@@ -351,4 +387,4 @@ def compile(
         grouped = with_sliding_spec(grouped, spec, resolve_spec(sliding_spec), dims.head_dim)
     model.set_attn_implementation(ATTN_NAME)
     model.eval()
-    return PagedModel(model, layout, grouped)
+    return PagedModel(model, layout, grouped, None if spec.is_float else key_offsets)

@@ -95,6 +95,7 @@ def evaluate_ids(
     bos_id: int | None = None,
     kernel: str = "native",
     extra_rows: list | None = None,
+    key_offsets: list | None = None,
 ) -> dict:
     """Like `evaluate`, on token ids already cut from a text (no tokenizer needed); bos_id replaces
     each window's first token. extra_rows: one row each after the specs' (an exported artifact:
@@ -129,7 +130,8 @@ def evaluate_ids(
     arts = list(extra_rows or [])
     num_blocks = -(-ctx // block_size)
     # one block table for all layers (groups=False): a window of ctx tokens needs every block anyway
-    paged = {name: compile(model, spec, block_size=block_size, num_blocks=num_blocks, max_seqs=1, groups=False)
+    paged = {name: compile(model, spec, block_size=block_size, num_blocks=num_blocks, max_seqs=1, groups=False,
+                           key_offsets=key_offsets)
              for name, spec in rows}
     runners = [(name, functools.partial(_window_logits, paged[name], block_size=block_size)) for name, _ in rows]
     runners += [(a.name, a.window_logits) for a in arts]
@@ -219,6 +221,7 @@ def evaluate(
     bos: bool | None = None,
     kernel: str = "native",
     extra_rows: list | None = None,
+    key_offsets: list | None = None,
 ) -> dict:
     """Teacher-forced fidelity of each KV spec vs the fp32 pool over `windows` windows of `ctx` tokens.
 
@@ -227,6 +230,7 @@ def evaluate(
     bos: put the tokenizer's BOS first in every window (None: when the tokenizer adds one itself).
     kernel: "native" runs the op on the C++ core (toolkit.native_op, built by `make native`; minutes
     instead of tens of minutes on a real model), "reference" on the plain-PyTorch op (its definition).
+    key_offsets: per-layer key offsets the quantized rows subtract (toolkit/key_offsets.py, as export does).
     """
     ids = tokenize(tokenizer, text)
     bos_id = tokenizer_bos(tokenizer)
@@ -236,7 +240,8 @@ def evaluate(
             raise PagedKVError("--bos: the tokenizer has no BOS token; leave --bos out.")
     if bos is False:
         bos_id = None
-    return evaluate_ids(model, ids, ctx, specs, windows, block_size, model_name, progress, bos_id, kernel, extra_rows)
+    return evaluate_ids(model, ids, ctx, specs, windows, block_size, model_name, progress, bos_id, kernel, extra_rows,
+                        key_offsets)
 
 
 class _NoProgress:

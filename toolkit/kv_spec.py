@@ -214,16 +214,12 @@ def resolve_spec(spec: "str | dict | KVQuantSpec") -> KVQuantSpec:
     return spec_from_dict(changes, PRESETS[base], f"'{spec}'")
 
 
-# The spec `pagedkv export` uses when none is given, by the model's config.model_type: "default"
-# unless benchmarks/fidelity.py showed it misses SmolLM2's fidelity floor on that family. Gemma 3
-# (one KV head of 256 dims): default K8/V4 gives PPL +0.30% at ctx 2048, best (K7/V5, the same
-# 0.414x bytes) +0.026% (BENCHMARKS.md, "Fidelity on Gemma 3 270M").
-MODEL_DEFAULT_SPECS: dict[str, str] = {"gemma3_text": "best", "gemma3": "best"}
-
-
-def default_spec_name(model_type: str | None) -> str:
-    """The preset export picks for a model type when the user gives no --spec."""
-    return MODEL_DEFAULT_SPECS.get(model_type or "", "default")
+# The specs `pagedkv export` chooses from when no --spec is given: the one with the lower KLD on the
+# calibration text (toolkit/calibration.py), measured on the model being exported, never picked by
+# model name. They take exactly the same bytes at every head_dim (K8/V4 and K7/V5, 0.414x fp16), so
+# the pool's size does not depend on the choice. Gemma 3 (one KV head of 256 dims) measures best
+# better, SmolLM2 and Qwen2.5 default (BENCHMARKS.md, "Fidelity").
+DEFAULT_CANDIDATES = ("default", "best")
 
 
 # The specs `pagedkv eval`, `pagedkv plan` and the benchmarks compare unless told otherwise.

@@ -14,6 +14,9 @@ between export, the runtimes, deploy and the Android runner.
   "tokenizer_files": [...],
   "chat_template": the tokenizer's Jinja chat template (optional; the Android runner renders it),
   "stop_token_ids": ids that end a chat reply: eos ids + the template's end-of-turn token (optional),
+  "calibration": {"text", "tokens", "max_kld", "fidelity": {role: {"spec", "kld", "top1"}}, "key_offsets":
+                  {"file", "sha256", "shape"}} (optional; toolkit/calibration.py: what export measured, and the
+                  key offsets the graphs subtract, for runtimes that compile the model themselves),
   "versions": {"pagedkv", "torch", "executorch", "onnx", "onnxruntime", "transformers"}
 }
 
@@ -201,6 +204,41 @@ def _check_chat(m: dict, where: str) -> None:
             _fail(where, f"stop_token_ids has id {max(ids)}, not below model.vocab_size={vocab}")
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) != float("inf")
+
+
+def _check_calibration(c, model, where: str) -> None:
+    """The calibration section (toolkit/calibration.py): the text's token count, the KLD bound, each role's
+    measured fidelity, and the key offsets file (name, sha256, a shape equal to the model's layers, KV heads
+    and head_dim)."""
+    if not isinstance(c, dict):
+        _fail(where, "calibration must be an object")
+    _get(c, "tokens", "int", where, "calibration")
+    _get(c, "text", "str", where, "calibration")
+    if not (_is_number(c.get("max_kld")) and c["max_kld"] > 0):
+        _fail(where, f"calibration.max_kld must be a positive number, not {json.dumps(c.get('max_kld'))[:40]}")
+    fid = _get(c, "fidelity", "dict", where, "calibration")
+    for role, f in fid.items():
+        if not (isinstance(f, dict) and isinstance(f.get("spec"), str) and _is_number(f.get("kld")) and f["kld"] >= 0
+                and _is_number(f.get("top1")) and 0 <= f["top1"] <= 1):
+            _fail(where, f"calibration.fidelity.{role} must hold spec, kld >= 0 and top1 in [0, 1]")
+    if "key_offsets" in c:
+        k = c["key_offsets"]
+        if not isinstance(k, dict):
+            _fail(where, "calibration.key_offsets must be an object")
+        check_file_name(k.get("file"), "calibration.key_offsets.file")
+        if not _is_sha256(k.get("sha256")):
+            _fail(where, "calibration.key_offsets.sha256 must be 64 hex digits")
+        shape = k.get("shape")
+        if not (isinstance(shape, list) and len(shape) == 3 and all(_is_int(x) and x > 0 for x in shape)):
+            _fail(where, f"calibration.key_offsets.shape must be [layers, kv heads, head_dim], not {json.dumps(shape)[:40]}")
+        if isinstance(model, dict):
+            want = [model.get("num_layers"), model.get("num_kv_heads"), model.get("head_dim")]
+            if shape != want:
+                _fail(where, f"calibration.key_offsets.shape {shape} does not match the model's {want}")
+
+
 def _check_pool(p: dict, where: str) -> PoolLayout:
     for key in _POOL_INTS:
         _get(p, key, "int", where, "pool")
@@ -289,6 +327,8 @@ def validate_manifest(m, where: str = MANIFEST_NAME, require: tuple[str, ...] = 
                 if model[key] != getattr(layout, key):
                     _fail(where, f"model.{key}={model[key]} but pool.{key}={getattr(layout, key)}")
     _check_chat(m, where)
+    if "calibration" in m:
+        _check_calibration(m["calibration"], m.get("model"), where)
     versions = m.get("versions", {})
     if not isinstance(versions, dict) or not all(isinstance(v, str) for v in versions.values()):
         _fail(where, "versions must be an object of version strings")

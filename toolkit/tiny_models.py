@@ -82,3 +82,22 @@ def tiny_bpe_tokenizer(lines: list[str], vocab_size: int = 512):
     )
     tok.train_from_iterator(lines, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def plant_key_outliers(model, magnitude: float = 60.0, channels: tuple[int, ...] = (30, 31, 62, 63)):
+    """Give every layer's k_proj a bias that puts a few channels of each KV head far above the rest, as
+    Qwen2.5's keys have (its k_proj bias and the "massive" low-frequency RoPE channels; with HF's
+    rotate-half RoPE, channels i and i + head_dim/2 form a pair, and the last ones turn slowest).
+    In place; returns the model. Needs a family whose k_proj has a bias (qwen2)."""
+    gen = torch.Generator().manual_seed(1)
+    for layer in model.model.layers:
+        proj = layer.self_attn.k_proj
+        if proj.bias is None:
+            raise ValueError("plant_key_outliers needs a k_proj with a bias (e.g. the qwen2 family)")
+        d = model.config.head_dim
+        with torch.no_grad():
+            for h in range(proj.out_features // d):
+                for c in channels:
+                    sign = 1.0 if torch.rand((), generator=gen) > 0.5 else -1.0
+                    proj.bias[h * d + c] = sign * magnitude
+    return model

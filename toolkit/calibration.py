@@ -1,0 +1,201 @@
+"""Calibration at export: key offsets measured on a short text, the pool's specs scored against the
+unquantized pool on the same text, and the guard that refuses a spec the model cannot hold.
+
+    cal = calibrate(model, calibration_ids(tokenizer), {"pool": spec, "compact": compact_spec})
+    cal.offsets          # per layer [num_kv_heads, head_dim] (toolkit/key_offsets.py)
+    cal.fidelity         # {"pool": {"spec", "kld", "top1"}, ...}
+    check_fidelity(cal, max_kld)   # SpecError naming the spec, its KLD and a spec that passes
+
+The text is the user's `--calib-text` or toolkit/data/calibration.txt (prose, a dialogue, numbers and
+code, written for this), cut to CALIB_TOKENS tokens. The offsets are written beside the graphs as
+KEY_OFFSETS_FILE (raw little-endian float32 [num_layers, num_kv_heads, head_dim]) with their sha256 in
+pagedkv.json's "calibration" section, for runtimes that compile the model themselves (the torch
+backend); the .pte and .onnx carry the same values as constants.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from toolkit.errors import ArtifactError, PagedKVError, SpecError
+from toolkit.kv_spec import KVQuantSpec, PRESETS
+
+CALIB_TEXT = Path(__file__).with_name("data") / "calibration.txt"
+CALIB_TOKENS = 512
+MIN_CALIB_TOKENS = 32
+# The bound on a spec's KLD against the unquantized pool over the calibration text. From the fidelity
+# tables (BENCHMARKS.md): specs that hold sit at 0.0001-0.01 (llama.cpp's q8_0/q4_0 at 0.007-0.009),
+# collapsed ones at 0.05-6 (K6 without key offsets on Qwen2.5 0.046, k4v4 6.0); 0.02 leaves room for
+# the noise of a few hundred tokens.
+DEFAULT_MAX_KLD = 0.02
+KEY_OFFSETS_FILE = "key_offsets.f32"
+# what `export` tries, in order, when it must name a spec that passes
+FALLBACK_SPECS = ("default", "best", "q8_0-q4_0")
+
+
+@dataclass
+class Calibration:
+    offsets: list | None  # per layer torch [Hkv, D] float32; None for a float pool
+    tokens: int
+    text: str  # where the text came from
+    fidelity: dict = field(default_factory=dict)  # role -> {"spec": describe(), "kld", "top1"}
+    spec: KVQuantSpec | None = None  # the pool's spec (the chosen one when there were candidates)
+    candidates: dict = field(default_factory=dict)  # candidate pool spec name -> its KLD (when export chose)
+
+    def to_manifest(self, offsets_sha256: str | None, max_kld: float, accepted: bool) -> dict:
+        out = {"text": self.text, "tokens": self.tokens, "max_kld": max_kld, "fidelity": self.fidelity}
+        if self.candidates:
+            out["candidates"] = self.candidates
+        if accepted:
+            out["accepted_below_bound"] = True
+        if self.offsets is not None:
+            n, (h, d) = len(self.offsets), tuple(self.offsets[0].shape)
+            out["key_offsets"] = {"file": KEY_OFFSETS_FILE, "sha256": offsets_sha256, "shape": [n, h, d]}
+        return out
+
+
+def calibration_ids(tokenizer, text_path: str | Path | None = None, tokens: int = CALIB_TOKENS,
+                    vocab_size: int | None = None) -> tuple[list[int], str]:
+    """(token ids, a name for the text): the first `tokens` tokens of `text_path` (default CALIB_TEXT).
+    A model without a tokenizer (tests hand export a bare model) gets a fixed pseudo-random id sequence
+    over its vocab instead."""
+    path = Path(text_path).expanduser() if text_path is not None else CALIB_TEXT
+    if tokenizer is None:
+        if not vocab_size:
+            raise PagedKVError("calibration needs the model's tokenizer (or its vocab size).")
+        return [(i * 7919 + 13) % vocab_size for i in range(tokens)], "ids (no tokenizer)"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PagedKVError(f"--calib-text {path}: cannot read it as UTF-8 text ({e}): give a plain text file.") from None
+    from toolkit.fidelity import tokenize
+
+    ids = tokenize(tokenizer, text)[:tokens]
+    if len(ids) < MIN_CALIB_TOKENS:
+        raise PagedKVError(f"--calib-text {path} has {len(ids)} tokens, fewer than {MIN_CALIB_TOKENS}: give a longer "
+                           "text (a few hundred tokens).")
+    return ids, ("calibration.txt" if text_path is None else path.name)
+
+
+def _score(model, ids, spec: KVQuantSpec, offsets, sliding_spec=None, reference=None):
+    """KLD and top-1 agreement of `spec` vs the unquantized pool over one window of ids."""
+    import torch
+
+    from toolkit.compiler import compile
+    from toolkit.fidelity import score_windows
+
+    bs = 16
+    nb = -(-len(ids) // bs)
+
+    def runner(paged):
+        table = torch.arange(nb, dtype=torch.int64)[None, :]
+        tables = (table,) * len(paged.groups)
+
+        def run(window):
+            paged.reset_pool()
+            pos = torch.arange(window.numel(), dtype=torch.int64)
+            with torch.no_grad():
+                return paged(window[None], pos, torch.zeros_like(pos), *tables)[0].float()
+        return run
+
+    ref = compile(model, "fp32", block_size=bs, num_blocks=nb, max_seqs=1)
+    row = compile(model, spec, block_size=bs, num_blocks=nb, max_seqs=1, sliding_spec=sliding_spec,
+                  key_offsets=offsets)
+    ids = torch.as_tensor(ids, dtype=torch.int64)
+    _, kld, agree, count = score_windows([("fp32", runner(ref)), ("spec", runner(row))], ids, ids.numel(), 1,
+                                         progress=False)
+    return float(kld[1] / count), float(agree[1] / count)
+
+
+def calibrate(model, ids: list[int], roles: dict, text: str = "calibration.txt", kernel: str = "native") -> Calibration:
+    """Key offsets from `ids` (for a quantized pool) and the fidelity of each role's spec. roles: name ->
+    KVQuantSpec; "sliding" is the sliding layers' own spec, scored with the pool's spec in the other
+    layers; "pool" may be a list of candidate specs, of which the one with the lower
+    KLD becomes the pool's (Calibration.spec; the others' KLDs in Calibration.candidates)."""
+    from toolkit.fidelity import _op_kernel, spec_name
+    from toolkit.key_offsets import measure_key_offsets
+
+    pool = roles["pool"]
+    candidates = list(pool) if isinstance(pool, (list, tuple)) else [pool]
+    offsets = None if candidates[0].is_float else measure_key_offsets(model, ids)
+    cal = Calibration(offsets, len(ids), text, spec=candidates[0])
+    with _op_kernel(kernel):
+        if len(candidates) > 1:
+            scored = [(_score(model, ids, c, offsets), c) for c in candidates]
+            cal.candidates = {spec_name(c): float(f"{kld:.6g}") for (kld, _), c in scored}
+            (kld, top1), cal.spec = min(scored, key=lambda x: x[0][0])
+            cal.fidelity["pool"] = {"spec": cal.spec.describe(), "kld": float(f"{kld:.6g}"), "top1": round(top1, 5)}
+            roles = {k: v for k, v in roles.items() if k != "pool"}
+        for role, spec in roles.items():
+            base, sliding = (cal.spec, spec) if role == "sliding" else (spec, None)
+            if base.is_float:
+                continue
+            kld, top1 = _score(model, ids, base, offsets, sliding)
+            shown = (sliding or base).describe()
+            cal.fidelity[role] = {"spec": shown, "kld": float(f"{kld:.6g}"), "top1": round(top1, 5)}
+    return cal
+
+
+def passing_spec(model, ids, offsets, max_kld: float, kernel: str = "native", skip=()) -> tuple[str, float] | None:
+    """The first of FALLBACK_SPECS (not in skip) whose KLD on ids is within max_kld: (name, kld), or None."""
+    from toolkit.fidelity import _op_kernel
+
+    with _op_kernel(kernel):
+        for name in FALLBACK_SPECS:
+            spec = PRESETS[name]
+            if spec in skip:
+                continue
+            kld, _ = _score(model, ids, spec, offsets)
+            if kld <= max_kld:
+                return name, kld
+    return None
+
+
+def check_max_kld(max_kld) -> float:
+    if not (isinstance(max_kld, (int, float)) and math.isfinite(max_kld) and max_kld > 0):
+        raise SpecError(f"--max-kld {max_kld}: give a positive KLD bound (default {DEFAULT_MAX_KLD}).")
+    return float(max_kld)
+
+
+def failing_roles(cal: Calibration, max_kld: float) -> list[str]:
+    return [role for role, f in cal.fidelity.items() if not f["kld"] <= max_kld]
+
+
+# ----------------------------------------------------------------------------------------------
+# The offsets file
+
+
+def write_key_offsets(path: Path, offsets) -> None:
+    import torch
+
+    torch.stack([o.float() for o in offsets]).contiguous().numpy().astype("<f4").tofile(path)
+
+
+def read_key_offsets(art_dir: Path, manifest: dict) -> list | None:
+    """The key offsets an export wrote (checked against pagedkv.json: file name, sha256, shape, finite), or
+    None when it has none. ArtifactError (one line) otherwise."""
+    import numpy as np
+    import torch
+
+    from toolkit.manifest import artifact_path, sha256_file
+
+    entry = (manifest.get("calibration") or {}).get("key_offsets")
+    if entry is None:
+        return None
+    path = artifact_path(Path(art_dir), entry["file"], "calibration.key_offsets.file")
+    if not path.is_file():
+        raise ArtifactError(f"{path} is missing: re-run `pagedkv export`.")
+    if sha256_file(path) != entry["sha256"]:
+        raise ArtifactError(f"{path} is corrupted or was modified: its sha256 does not match the manifest's. "
+                            "Re-run `pagedkv export`.")
+    n, h, d = entry["shape"]
+    data = np.fromfile(path, dtype="<f4")
+    if data.size != n * h * d:
+        raise ArtifactError(f"{path} holds {data.size} floats, the manifest's shape {[n, h, d]} needs {n * h * d}: "
+                            "re-run `pagedkv export`.")
+    if not np.isfinite(data).all():
+        raise ArtifactError(f"{path} holds NaN or Inf key offsets: re-run `pagedkv export`.")
+    t = torch.from_numpy(data.reshape(n, h, d).copy())
+    return [t[i] for i in range(n)]
