@@ -32,7 +32,7 @@ def setup(tmp_path_factory):
 
     def export(name, model_dir, spec, weights="fp32", pool_tokens=128):
         export_artifacts(str(d / model_dir), d / name, ("onnx",), spec, PoolRequest(pool_tokens=pool_tokens, max_seqs=1),
-                         onnx_weights=weights)
+                         onnx_weights=weights, accept_fidelity=True)
         return d / name
 
     arts = {
@@ -166,7 +166,7 @@ def test_pte_export_on_executorch_equals_the_reference(setup):
     """The same on the .pte through the ExecuTorch runtime (prefill chunks of its max_tokens_per_call)."""
     d, arts = setup
     export_artifacts(str(d / "m"), d / "pte", ("pte",), "fp32", PoolRequest(pool_tokens=128, max_seqs=1),
-                     max_tokens_per_call=32)
+                     max_tokens_per_call=32, accept_fidelity=True)
     model, tok = load_model(str(d / "m"))
     ids = tok((d / "t.txt").read_text(), add_special_tokens=False)["input_ids"]
     res = evaluate_ids(model, ids, CTX, [], WINDOWS, model_name=str(d / "m"), progress=False,

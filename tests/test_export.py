@@ -26,6 +26,7 @@ def _export(tmp_path_factory, family, spec, num_layers):
     export_artifacts(
         f"tiny-{family}", out, ("onnx", "pte"), spec, PoolRequest(pool_tokens=256, max_seqs=2),
         max_tokens_per_call=32, model_and_tokenizer=(tiny_model(family, num_layers=num_layers), None),
+        accept_fidelity=True,
     )
     return out
 
@@ -175,7 +176,7 @@ def test_export_without_spec_takes_the_candidate_of_lower_kld(tmp_path):
 
     for family in ("llama", "gemma3"):
         m = export_artifacts(f"tiny-{family}", tmp_path / family, ("onnx",), None, PoolRequest(pool_tokens=64),
-                             model_and_tokenizer=(tiny_model(family, num_layers=1), None))
+                             model_and_tokenizer=(tiny_model(family, num_layers=1), None), accept_fidelity=True)
         got = m["calibration"]["candidates"]
         assert set(got) == set(DEFAULT_CANDIDATES)
         assert layout_from_manifest(m).spec == PRESETS[min(got, key=got.get)]

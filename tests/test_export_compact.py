@@ -223,7 +223,7 @@ def test_bad_compact_options_are_one_line(tmp_path):
     assert proc.returncode == 2 and "--compact-blocks -1" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     with pytest.raises(SpecError, match="quantized specs"):  # a float pool has no codes to re-quantize
         export_artifacts("tiny-llama", tmp_path / "b", ("onnx",), "fp16", PoolRequest(pool_tokens=64, compact_blocks=2),
-                         model_and_tokenizer=(tiny_model("llama", num_layers=1), None))
+                         model_and_tokenizer=(tiny_model("llama", num_layers=1), None), accept_fidelity=True)
     assert not (tmp_path / "b").exists()
 
 

@@ -101,7 +101,7 @@ def tokenizer():
 def art(tmp_path_factory):
     out = tmp_path_factory.mktemp("hostile") / "onnx"
     export_artifacts("tiny-llama", out, ("onnx",), "default", PoolRequest(pool_tokens=256, max_seqs=3),
-                     model_and_tokenizer=(tiny_model("llama", num_layers=1), tokenizer()))
+                     model_and_tokenizer=(tiny_model("llama", num_layers=1), tokenizer()), accept_fidelity=True)
     return out
 
 
@@ -109,7 +109,8 @@ def art(tmp_path_factory):
 def pte_art(tmp_path_factory):
     out = tmp_path_factory.mktemp("hostile") / "pte"
     export_artifacts("tiny-llama", out, ("pte",), "default", PoolRequest(pool_tokens=256, max_seqs=2),
-                     max_tokens_per_call=32, model_and_tokenizer=(tiny_model("llama", num_layers=1), tokenizer()))
+                     max_tokens_per_call=32, model_and_tokenizer=(tiny_model("llama", num_layers=1), tokenizer()),
+                     accept_fidelity=True)
     return out
 
 
@@ -460,7 +461,8 @@ def test_export_failing_half_way_leaves_the_target_and_no_partial_dir(copy):
     # one block: the ONNX exporter refuses it after the tokenizer files were written (into the temp dir)
     with pytest.raises(PagedKVError, match="cannot be exported"):
         export_artifacts("tiny-llama", copy, ("onnx",), "default", PoolRequest(pool_tokens=16, max_seqs=1),
-                         model_and_tokenizer=(tiny_model("llama", num_layers=1), tokenizer()), force=True)
+                         model_and_tokenizer=(tiny_model("llama", num_layers=1), tokenizer()), force=True,
+                         accept_fidelity=True)
     assert snapshot(copy) == before
     _no_leftovers(copy.parent)
 
@@ -484,7 +486,7 @@ def test_export_of_model_dir_with_corrupt_tokenizer(tmp_path):
 def test_cli_export_with_spec_override_and_force(copy, tmp_path):
     d = _model_dir(tmp_path)
     (copy / "stale.bin").write_bytes(b"old")
-    proc = cli("export", d, "--out", copy, "--spec", "default:k_bits=6,rotate=false", "--force")
+    proc = cli("export", d, "--out", copy, "--spec", "default:k_bits=6,rotate=false", "--force", "--accept-fidelity")
     assert proc.returncode == 0, proc.stderr
     m = read_manifest(copy)
     assert m["pool"]["spec"]["k_bits"] == 6 and m["pool"]["spec"]["rotate"] is False

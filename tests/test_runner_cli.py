@@ -191,7 +191,7 @@ def test_cli_runs_8da4w_e8_with_embedding_byte(host_cli, fixtures, tmp_path, wik
     tok = make_fixtures.tiny_bpe_tokenizer(wikitext)
     export_artifacts("tiny-llama", art, formats=("pte",), spec="fp32",
                      pool=PoolRequest(pool_tokens=512, max_seqs=2, block_size=16), max_tokens_per_call=32,
-                     model_and_tokenizer=(tiny_model("llama"), tok), pte_weights="8da4w-e8")
+                     model_and_tokenizer=(tiny_model("llama"), tok), pte_weights="8da4w-e8", accept_fidelity=True)
     res = deserialize_pte_binary((art / "model.pte").read_bytes())
     ops = {op.name for op in getattr(res, "program", res).execution_plan[0].operators}
     assert "quantized_decomposed::embedding_byte" in ops and "aten::embedding" not in ops, ops
@@ -224,7 +224,7 @@ def test_cli_runs_8da4w_asym_e8h8(host_cli, fixtures, tmp_path, wikitext):
     tok = make_fixtures.tiny_bpe_tokenizer(wikitext)
     m = export_artifacts("tiny-llama", art, formats=("pte",), spec="fp32",
                          pool=PoolRequest(pool_tokens=512, max_seqs=2, block_size=16), max_tokens_per_call=32,
-                         model_and_tokenizer=(model, tok), pte_weights="8da4w-asym-e8h8")
+                         model_and_tokenizer=(model, tok), pte_weights="8da4w-asym-e8h8", accept_fidelity=True)
     entry = m["artifacts"]["pte"]
     assert entry["weights"] == "8da4w-asym-e8h8"
     assert entry["int4_blocks"] > 0 and entry["int4_exact_blocks"] == entry["int4_blocks"], entry

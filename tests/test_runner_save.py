@@ -47,7 +47,7 @@ def fixtures(request, tmp_path_factory, wikitext):
     export_artifacts("tiny-gemma3", out / "artifacts", formats=("pte",), spec="default",
                      pool=PoolRequest(pool_tokens=512, max_seqs=2, block_size=16), max_tokens_per_call=32,
                      model_and_tokenizer=(tiny("gemma3", 16), make_fixtures.tiny_bpe_tokenizer(wikitext)),
-                     sliding_spec=SLIDING_SPEC if request.param == "gemma3-sliding-spec" else None)
+                     sliding_spec=SLIDING_SPEC if request.param == "gemma3-sliding-spec" else None, accept_fidelity=True)
     return out / "artifacts"
 
 
