@@ -20,6 +20,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from export.formats import FORMATS, ONNX_WEIGHTS, PTE_WEIGHTS  # noqa: F401  (re-exported)
 from toolkit.calibration import (DEFAULT_MAX_KLD, KEY_OFFSETS_FILE, calibrate, calibration_ids, check_max_kld,
                                  failing_roles, passing_spec, write_key_offsets)
 from toolkit.errors import ArtifactError, PagedKVError, SpecError
@@ -27,9 +28,6 @@ from toolkit.manifest import sha256_file, write_manifest
 from toolkit.pool_layout import PoolLayout, budget_blocks, check_block_size
 from toolkit.kv_spec import DEFAULT_CANDIDATES, PRESETS, KVQuantSpec, resolve_spec
 
-FORMATS = ("onnx", "pte")
-ONNX_WEIGHTS = ("fp32", "int4", "int4-e4")
-PTE_WEIGHTS = ("fp32", "8da4w", "8da4w-e8", "8da4w-asym-e8h8")  # export.executorch_export
 MAX_TOKENS_PER_CALL = 4096  # the .pte's largest prefill chunk (a graph bound, not a pool size)
 MAX_POOL_TOKENS = 1 << 24
 MAX_SEQS = 4096

@@ -43,12 +43,12 @@ from pathlib import Path
 import torch
 
 from toolkit.compiler import PagedModel, group_table_names
-from export.artifacts import PTE_WEIGHTS
+from export.formats import PTE_WEIGHTS
 from toolkit.errors import PagedKVError
 from toolkit.manifest import LOGITS_ROWS, PTE_POOL_METHOD, compact_input_names, pool_identity
 
 POOL_BUFFER_PREFIXES = ("codes_", "scales_", "stage_")
-ASYM_WEIGHTS = "8da4w-asym-e8h8"  # one of export.artifacts.PTE_WEIGHTS
+ASYM_WEIGHTS = "8da4w-asym-e8h8"  # one of export.formats.PTE_WEIGHTS
 
 
 def _quantize_8da4w(model: torch.nn.Module, group_size: int = 32) -> None:

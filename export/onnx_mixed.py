@@ -13,7 +13,7 @@ from __future__ import annotations
 import onnx
 import torch
 
-from export.onnx_export import DOMAIN, FLOAT_ATTRS, OPSET, function_from_export, register_op_schema
+from export.onnx_ops import DOMAIN, FLOAT_ATTRS, OPSET, function_from_export, register_op_schema
 from toolkit.paged_attention import COMPACT_SCALAR_ARG_NAMES, SCALAR_ARG_NAMES, reference_paged_attention
 from toolkit.pool_layout import PoolLayout
 

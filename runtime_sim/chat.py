@@ -64,15 +64,15 @@ class ChatSession:
             raise cf.ConversationFileError(f"conversation file {path} holds no chat messages: it was not saved by "
                                            "`pagedkv chat` (/save NAME).") from None
         try:
-            cid = cf.restore_data(self.engine, d, path)
+            cid = self.engine.restore_data(d, path)
             self.engine.close(self.cid)
         except (PoolExhausted, PoolStateError):  # no room beside the current chat: swap it out, back on error
-            old = cf.capture(self.engine, self.cid)
+            old = self.engine.capture(self.cid)
             self.engine.close(self.cid)
             try:
-                cid = cf.restore_data(self.engine, d, path)
+                cid = self.engine.restore_data(d, path)
             except BaseException:
-                self.cid = cf.restore_data(self.engine, old, "(the current chat)")
+                self.cid = self.engine.restore_data(old, "(the current chat)")
                 raise
         self.cid, self.messages, self.system_prompt = cid, messages, meta.get("system_prompt")
 

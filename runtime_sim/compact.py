@@ -47,7 +47,7 @@ def compact_aged(engine, cid: int, horizon: int, limit: int | None = None) -> li
         raise PagedKVError(f"the {getattr(engine.backend, 'name', '?')} backend cannot re-quantize blocks yet: "
                            "open the model through runtime_sim.session (its torch, onnxruntime and ExecuTorch "
                            "backends can).")
-    conv = engine._conv(cid)
+    conv = engine.conversation(cid)
     if conv.spill is not None:
         raise PagedKVError(f"conversation {cid} lies in a spill file: restore it (its next turn) before compacting.")
     n = pool.num_blocks

@@ -1,14 +1,14 @@
 """A saved conversation: its KV blocks as they lie in the pool (compact-tier blocks as their compact
 records), its fp16 stage rows and its tokens.
 
-    data = capture(...)            # what Engine.save gathers from the pool
+    data = engine.capture(cid)     # what Engine.save gathers from the pool (runtime_sim/conversation_state.py)
     write(path, data)              # atomic: a temp file beside `path`, fsync, rename
     data = read(path)              # every field checked; ConversationFileError (one line) otherwise
     check_compatible(data, want)   # the same model (sha256), spec, dims and layer groups as the engine
 
 The format is documented in toolkit/CONVERSATION_FORMAT.md (one home; the Android runner's
 android_demo/native/src/conversation_file.cpp reads and writes the same bytes). Plain functions over
-plain data; numpy only, no torch.
+plain data, nothing of the engine; numpy only, no torch.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class ConversationData:
         return out
 
 
-def _fail(path, what: str, fix: str = "it cannot be restored; save the conversation again") -> None:
+def fail(path, what: str, fix: str = "it cannot be restored; save the conversation again") -> None:
     raise ConversationFileError(f"conversation file {path} {what}: {fix}.")
 
 
@@ -209,7 +209,7 @@ class _Reader:
 
     def take(self, n: int, what: str) -> memoryview:
         if n < 0 or self.pos + n > len(self.buf):
-            _fail(self.path, f"is truncated (it ends inside the {what})")
+            fail(self.path, f"is truncated (it ends inside the {what})")
         out = self.buf[self.pos:self.pos + n]
         self.pos += n
         return out
@@ -239,16 +239,16 @@ def _spec_of(vals) -> KVQuantSpec:
 
 def parse(raw: bytes, path="(bytes)") -> ConversationData:
     if len(raw) < len(MAGIC) + 4 or raw[:len(MAGIC)] != MAGIC:
-        _fail(path, "is not a pagedkv conversation file (bad magic)", "give a file written by /save or Engine.save")
+        fail(path, "is not a pagedkv conversation file (bad magic)", "give a file written by /save or Engine.save")
     version = struct.unpack_from("<I", raw, len(MAGIC))[0]
     if version not in READS:
-        _fail(path, f"has format version {version}, this pagedkv reads {' and '.join(map(str, READS))}",
+        fail(path, f"has format version {version}, this pagedkv reads {' and '.join(map(str, READS))}",
               "restore it with the pagedkv that saved it, or save the conversation again")
     if len(raw) < len(MAGIC) + 8:
-        _fail(path, "is truncated (no checksum)")
+        fail(path, "is truncated (no checksum)")
     body = memoryview(raw)[:-4]
     if zlib.crc32(body) != struct.unpack_from("<I", raw, len(raw) - 4)[0]:
-        _fail(path, "is damaged or truncated (checksum mismatch)")
+        fail(path, "is damaged or truncated (checksum mismatch)")
     r = _Reader(body, path)
     r.take(len(MAGIC) + 4, "header")
     sha = bytes(r.take(32, "model sha256"))
@@ -261,28 +261,28 @@ def parse(raw: bytes, path="(bytes)") -> ConversationData:
             and bs in (16, 32) and itemsize in ITEMSIZES and has_stage in (0, 1)
             and n_tokens <= MAX_TOKENS and n_pending <= MAX_TOKENS and 1 <= n_groups <= num_layers
             and 0 < code_bytes <= 8 * head_dim * 4 and scale_bytes <= 8 * head_dim):
-        _fail(path, "has an impossible header (damaged)")
+        fail(path, "has an impossible header (damaged)")
     try:
         spec = _spec_of(spec_vals).validate(head_dim)
     except PagedKVError as e:
-        _fail(path, f"holds an invalid KV spec ({e})")
+        fail(path, f"holds an invalid KV spec ({e})")
     from toolkit.kv_spec import check_compact, check_stored_group_spec, record_layout
 
     rec = record_layout(spec, head_dim)
     want = (4 if spec.k_bits == 32 else 2, 2 * head_dim * (4 if spec.k_bits == 32 else 2), 0) if spec.is_float else \
         (1, rec.code_width, 2 * rec.scale_width)
     if (itemsize, code_bytes, scale_bytes) != want:
-        _fail(path, "has record sizes its spec does not give (damaged)")
+        fail(path, "has record sizes its spec does not give (damaged)")
     compact, compact_code_bytes, compact_scale_bytes = None, 0, 0
     if any(compact_vals):  # the compact tier's spec (version 2, a file holding compact blocks)
         try:
             compact = check_compact(spec, _spec_of(compact_vals[:len(SPEC_FIELDS)]), head_dim)
         except PagedKVError as e:
-            _fail(path, f"holds an invalid compact spec ({e})")
+            fail(path, f"holds an invalid compact spec ({e})")
         compact_code_bytes, compact_scale_bytes = compact_vals[len(SPEC_FIELDS):]
         crec = record_layout(compact, head_dim)
         if (compact_code_bytes, compact_scale_bytes) != (crec.code_width, 2 * crec.scale_width):
-            _fail(path, "has compact record sizes its compact spec does not give (damaged)")
+            fail(path, "has compact record sizes its compact spec does not give (damaged)")
     n_blocks, n_full = -(-n_tokens // bs), n_tokens // bs
     kinds = (HOLE, DEFAULT, COMPACT) if version >= 2 else (HOLE, DEFAULT)
     groups, seen = [], set()
@@ -293,31 +293,31 @@ def parse(raw: bytes, path="(bytes)") -> ConversationData:
             try:
                 own = check_stored_group_spec(spec, _spec_of(vals), head_dim, gi, window, "the file")
             except PagedKVError as e:
-                _fail(path, f"holds an invalid layer-group spec (damaged: {e})")
+                fail(path, f"holds an invalid layer-group spec (damaged: {e})")
         (n_layers,) = r.u32(1, "layer groups")
         if not 1 <= n_layers <= num_layers:
-            _fail(path, "has an impossible layer group (damaged)")
+            fail(path, "has an impossible layer group (damaged)")
         layers = tuple(r.u32(n_layers, "layer groups"))
         (nb,) = r.u32(1, "layer groups")
         present = list(r.take(nb, "layer groups"))
         if nb != n_blocks or any(i >= num_layers or i in seen for i in layers) or \
                 any(b not in kinds for b in present):
-            _fail(path, "has an impossible layer group (damaged)")
+            fail(path, "has an impossible layer group (damaged)")
         if COMPACT in present and (window or compact is None or COMPACT in present[n_full:]):
             # compact blocks: only full blocks of a global group, and only with a compact spec
-            _fail(path, "has a compact block where none can be (damaged)")
+            fail(path, "has a compact block where none can be (damaged)")
         seen.update(layers)
         groups.append(GroupBlocks(window, layers, present, own))
     if len(seen) != num_layers:
-        _fail(path, "has layer groups that do not cover every layer (damaged)")
+        fail(path, "has layer groups that do not cover every layer (damaged)")
     if compact is not None and not any(g.n_compact for g in groups):
-        _fail(path, "has a compact spec but no compact block (damaged)")
+        fail(path, "has a compact spec but no compact block (damaged)")
     if version >= GROUP_SPEC_VERSION and not any(g.spec is not None for g in groups):
-        _fail(path, f"has format version {version} but no layer group with its own spec (damaged)")
+        fail(path, f"has format version {version} but no layer group with its own spec (damaged)")
     tokens = np.frombuffer(r.take(4 * n_tokens, "tokens"), "<i4").tolist()
     pending = np.frombuffer(r.take(4 * n_pending, "tokens"), "<i4").tolist()
     if any(t < 0 for t in tokens + pending):
-        _fail(path, "holds a negative token id (damaged)")
+        fail(path, "holds a negative token id (damaged)")
     (n_app,) = r.u32(1, "application data")
     app = bytes(r.take(n_app, "application data"))
     d = ConversationData(sha, num_layers, heads, head_dim, bs, spec, itemsize, code_bytes, scale_bytes,
@@ -344,7 +344,7 @@ def parse(raw: bytes, path="(bytes)") -> ConversationData:
         d.stage = [np.frombuffer(r.take(2 * int(np.prod(st)), f"stage rows of layer {i}"), "<f2").reshape(st)
                    for i in range(num_layers)]
     if r.pos != len(body):
-        _fail(path, f"has {len(body) - r.pos} unexpected byte(s) after its data (damaged)")
+        fail(path, f"has {len(body) - r.pos} unexpected byte(s) after its data (damaged)")
     return d
 
 
@@ -355,161 +355,34 @@ def check_compatible(d: ConversationData, want: ConversationData, path) -> None:
     """`want` describes the engine (a ConversationData without tokens or blocks): the file must be for
     the same model, pool format and layer groups, or restoring it would attend over foreign K/V."""
     if d.model_sha256 != want.model_sha256:
-        _fail(path, f"was saved with another model (sha256 {d.model_sha256.hex()[:12]}..., this engine runs "
+        fail(path, f"was saved with another model (sha256 {d.model_sha256.hex()[:12]}..., this engine runs "
                     f"{want.model_sha256.hex()[:12]}...)", "restore it with the artifacts that saved it")
     for key in ("num_layers", "num_kv_heads", "head_dim", "block_size", "codes_itemsize", "code_bytes",
                 "scale_bytes", "has_stage"):
         if getattr(d, key) != getattr(want, key):
-            _fail(path, f"has {key}={getattr(d, key)}, this engine's pool has {getattr(want, key)}",
+            fail(path, f"has {key}={getattr(d, key)}, this engine's pool has {getattr(want, key)}",
                   "restore it with the artifacts that saved it")
     if d.spec != want.spec:
-        _fail(path, f"was saved with KV spec {d.spec.describe()}, this engine's pool is {want.spec.describe()}",
+        fail(path, f"was saved with KV spec {d.spec.describe()}, this engine's pool is {want.spec.describe()}",
               "restore it with the artifacts that saved it")
     have = [(g.window, g.layers) for g in d.groups]
     need = [(g.window, g.layers) for g in want.groups]
     if have != need:
-        _fail(path, f"has layer groups {have}, this engine's are {need}", "restore it with the artifacts that saved it")
+        fail(path, f"has layer groups {have}, this engine's are {need}", "restore it with the artifacts that saved it")
     own = lambda c: [g.spec.describe() if g.spec is not None else None for g in c.groups]  # noqa: E731
     if own(d) != own(want):
-        _fail(path, f"has layer-group specs {own(d)}, this engine's are {own(want)} (None: the pool's spec)",
+        fail(path, f"has layer-group specs {own(d)}, this engine's are {own(want)} (None: the pool's spec)",
               "restore it with the artifacts that saved it")
     if d.n_compact:  # compact blocks are restored into the engine's compact region, in the same spec
         if want.compact is None:
-            _fail(path, f"holds {d.n_compact} block(s) in the compact tier (re-quantized to {d.compact.describe()}), "
+            fail(path, f"holds {d.n_compact} block(s) in the compact tier (re-quantized to {d.compact.describe()}), "
                         "this engine's model has no compact region",
                   "restore it with a model compiled with compact_blocks=N on the torch backend, like the one that "
                   "saved it")
         if (d.compact, d.compact_code_bytes, d.compact_scale_bytes) != \
                 (want.compact, want.compact_code_bytes, want.compact_scale_bytes):
-            _fail(path, f"holds compact blocks in spec {d.compact.describe()}, this engine's compact region is "
+            fail(path, f"holds compact blocks in spec {d.compact.describe()}, this engine's compact region is "
                         f"{want.compact.describe()}", "restore it with the artifacts that saved it")
-
-
-# ------------------------------------------------------------------------------ engine <-> file
-
-
-def model_sha256(engine) -> bytes:
-    """The identity of the model whose K/V the pool holds: the sha256 the manifest records for the
-    artifact the backend runs (.onnx or .pte; the Android runner reads the .pte's), or, for the torch
-    backend, a sha256 over the model's parameters (names, dtypes, shapes, bytes)."""
-    be = engine.backend
-    kind = {"onnxruntime": "onnx", "executorch": "pte"}.get(getattr(be, "name", ""))
-    entry = ((engine.manifest or {}).get("artifacts") or {}).get(kind) if kind else None
-    if entry and entry.get("sha256"):
-        return bytes.fromhex(entry["sha256"])
-    cached = getattr(be, "_conversation_model_sha256", None)
-    if cached is not None:
-        return cached
-    if not hasattr(be, "paged"):
-        raise PagedKVError(f"the {getattr(be, 'name', 'unknown')} backend has no manifest sha256 to identify its "
-                           "model: open the artifacts with runtime_sim.session.open_artifacts to save or restore.")
-    import hashlib
-
-    h = hashlib.sha256()
-    for name, t in sorted(be.paged.hf.state_dict().items()):
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.detach().contiguous().cpu().view(-1).view(__import__("torch").uint8).numpy().tobytes())
-    be._conversation_model_sha256 = h.digest()
-    return be._conversation_model_sha256
-
-
-def describe(engine) -> ConversationData:
-    """The engine's pool as a ConversationData without tokens or blocks (what a file must match)."""
-    from toolkit.kv_spec import record_layout
-
-    lay = engine.backend.layout
-    itemsize = int(np.dtype(lay.codes_dtype_name).itemsize)
-    compact = lay.compact if getattr(lay, "num_compact_blocks", 0) else None
-    crec = record_layout(compact, lay.head_dim) if compact is not None else None
-    return ConversationData(
-        model_sha256=model_sha256(engine), num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
-        head_dim=lay.head_dim, block_size=lay.block_size, spec=lay.spec, codes_itemsize=itemsize,
-        code_bytes=lay.codes_shape()[-1] * itemsize, scale_bytes=0 if lay.spec.is_float else lay.scales_shape()[-1] * 2,
-        has_stage=lay.uses_stage, tokens=[], pending=[],
-        groups=[GroupBlocks(g.window, tuple(g.layers), [], g.spec) for g in engine.groups], compact=compact,
-        compact_code_bytes=crec.code_width if crec else 0, compact_scale_bytes=2 * crec.scale_width if crec else 0)
-
-
-def pool_arrays(engine) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """The backend's pool tensors (numpy views). The ExecuTorch backend learns where its buffers are on
-    its first step: if it has not run yet, one step on a scratch sequence (one block, released at once)
-    shows them; no conversation holds data before a first step, so none is touched."""
-    try:
-        return engine.backend.pool_arrays()
-    except PagedKVError:
-        pass
-    pool = engine.pool
-    seq = pool.new_sequence()
-    try:
-        pool.reserve(seq, 1)
-        engine.backend.forward(np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, seq, np.int64),
-                               engine._tables(1))
-    finally:
-        pool.release(seq)
-    return engine.backend.pool_arrays()
-
-
-def compact_arrays(engine) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """layer -> (compact_codes, compact_scales) numpy views of the compact region ({} without one): the
-    backend's compact_arrays() (torch, onnxruntime and ExecuTorch backends all have it)."""
-    return engine.backend.compact_arrays() if hasattr(engine.backend, "compact_arrays") else {}
-
-
-def capture(engine, cid: int) -> ConversationData:
-    """A conversation's blocks (copies of its pool records), stage rows and tokens."""
-    conv = engine._conv(cid)
-    pool, bs = engine.pool, engine.pool.block_size
-    n = pool.length(conv.seq)
-    if list(conv.history) != pool.tokens(conv.seq):
-        raise PagedKVError(f"conversation {cid} is in the middle of a step: save it between turns.")
-    d = describe(engine)
-    d.tokens, d.pending = list(conv.history), list(conv.pending)
-    arrays = pool_arrays(engine) if n or d.has_stage else []
-    nb = -(-n // bs)
-    d.codes, d.scales = [None] * d.num_layers, [None] * d.num_layers
-    d.compact_codes, d.compact_scales = [None] * d.num_layers, [None] * d.num_layers
-
-    def rows(a, ids, width):  # the records of these blocks (copies), [len(ids), Hkv, bs, width] uint8
-        return a[ids].view(np.uint8) if len(ids) else np.zeros(d.record_shape(0, width), np.uint8)
-
-    for g, grp in enumerate(d.groups):
-        table = pool.block_table(conv.seq, g)[:nb]
-        n_default = engine.groups[g].num_blocks  # ids >= n_default: the compact region (group 0 only)
-        grp.present = [HOLE if b < 0 else DEFAULT if b < n_default else COMPACT for b in table]
-        ids = np.asarray([b for b in table if 0 <= b < n_default], np.int64)
-        cids = np.asarray([b - n_default for b in table if b >= n_default], np.int64)
-        carrays = compact_arrays(engine) if len(cids) else {}
-        g_code_bytes, g_scale_bytes = d.group_record_bytes(grp)
-        for i in grp.layers:
-            codes, scales, _ = arrays[i] if arrays else (None, None, None)
-            d.codes[i] = rows(codes, ids, g_code_bytes)
-            if g_scale_bytes:
-                d.scales[i] = rows(scales, ids, g_scale_bytes)
-            if len(cids):
-                if i not in carrays:
-                    raise PagedKVError(f"conversation {cid} holds compact blocks, but the {engine.backend.name} "
-                                       f"backend shows no compact region for layer {i}: save it with the backend "
-                                       "that compacted it.")
-                d.compact_codes[i] = rows(carrays[i][0], cids, d.compact_code_bytes)
-                d.compact_scales[i] = rows(carrays[i][1], cids, d.compact_scale_bytes)
-    if not d.n_compact:  # the file names a compact spec only when it holds compact blocks
-        d.compact, d.compact_code_bytes, d.compact_scale_bytes = None, 0, 0
-    if d.has_stage:
-        d.stage = [np.array(arrays[i][2][conv.seq]) for i in range(d.num_layers)]
-    return d
-
-
-def save(engine, cid: int, path, app: bytes = b"") -> int:
-    """Engine.save: write conversation cid to path (atomic). Returns the file's size in bytes."""
-    d = capture(engine, cid)
-    d.app = bytes(app)
-    return write(path, d)
-
-
-def restore(engine, path) -> int:
-    """Engine.restore: a new conversation holding the file's cache, its blocks written straight into
-    the pool (no prefill). Everything is checked before the pool changes; on any error it is as before."""
-    return restore_data(engine, read(path), path)
 
 
 def blocks_to_restore(d: ConversationData) -> list[int]:
@@ -518,96 +391,3 @@ def blocks_to_restore(d: ConversationData) -> list[int]:
     region as it is restored; a hole is dropped, a compact block moved to the compact region at once)."""
     nb = -(-len(d.tokens) // d.block_size)
     return [sum(1 for p in grp.present[:nb - 1] if p == DEFAULT) + (1 if nb else 0) for grp in d.groups]
-
-
-def restore_data(engine, d: ConversationData, path) -> int:
-    """restore() of an already read file (the chat reads its messages from d.app)."""
-    from runtime_sim.engine import Conversation
-
-    if engine.policy == "adaptive":  # room by spilling idle conversations, once the file is known to fit
-        check_compatible(d, describe(engine), path)
-        engine._room_for_file(d, set())
-    seq = restore_sequence(engine, d, path)
-    cid = engine._next_id
-    engine._next_id += 1
-    engine.conversations[cid] = Conversation(seq, list(d.tokens), list(d.pending), last_used=engine.clock)
-    return cid
-
-
-def restore_sequence(engine, d: ConversationData, path) -> int:
-    """The pool part of restore_data: a new sequence slot holding the file's blocks and stage rows
-    (the engine's adaptive policy maps a spilled conversation back into its own Conversation). Compact
-    blocks go into free blocks of the engine's compact region, all of them or none (PoolExhausted)."""
-    from toolkit.errors import PoolExhausted, PoolStateError
-
-    check_compatible(d, describe(engine), path)
-    vocab = ((engine.manifest or {}).get("model") or {}).get("vocab_size")
-    if vocab and any(t >= vocab for t in d.tokens + d.pending):
-        _fail(path, f"holds a token id outside this model's vocabulary of {vocab} (damaged)")
-    pool, bs = engine.pool, engine.pool.block_size
-    n = len(d.tokens)
-    nb = -(-n // bs)
-    if len(pool.live_sequences()) >= pool.max_seqs:
-        raise PoolStateError(f"all {pool.max_seqs} sequence slots are in use: close a conversation before "
-                             f"restoring {path}.")
-    from toolkit.block_pool import dead_blocks
-
-    for g, grp in enumerate(d.groups):  # holes only where this engine's pool could have made them
-        if any(grp.present[:dead_blocks(grp.window, bs, n)]) or (n % bs and not grp.present[-1]):
-            _fail(path, f"holds blocks of layer group {g} that its window would not keep (damaged)")
-        if grp.n_compact and g != 0:  # the engine's compact region belongs to its first (global) group
-            _fail(path, f"holds compact blocks in layer group {g}, which has no compact region here",
-                  "restore it with the artifacts that saved it")
-    for g, (need, p) in enumerate(zip(blocks_to_restore(d), pool.pools)):
-        if need > p.num_free_blocks:
-            raise PoolExhausted(need, p.num_free_blocks, what=f"restoring {path} ({n} tokens) in layer group {g}")
-    if d.n_compact > pool.main.num_free_compact_blocks:
-        raise PoolExhausted(d.n_compact, pool.main.num_free_compact_blocks,
-                            what=f"restoring {path}: its compact-tier blocks in the compact region")
-    arrays = pool_arrays(engine) if nb or d.has_stage else []
-    carrays = compact_arrays(engine) if d.n_compact else {}
-    seq = pool.new_sequence()
-    try:
-        for i in range(nb):
-            chunk = d.tokens[i * bs:(i + 1) * bs]
-            pool.reserve(seq, len(chunk))  # a fresh sequence: no copy-on-write copies
-            pool.commit(seq, chunk)  # registers full blocks in the prefix cache; sliding groups trim
-            for grp, p in zip(d.groups, pool.pools):
-                b = p.block_table(seq)[i]
-                if grp.present[i] == HOLE and b >= 0:
-                    p.drop_blocks(seq, [i])
-                elif grp.present[i] == COMPACT:
-                    b, _ = p.compact(seq, i)  # only its compact records are written below
-                else:
-                    continue
-                p.forget_cached(b)  # a default block never written: no later sequence may share it
-        tables = [pool.block_table(seq, g)[:nb] for g in range(len(d.groups))]
-        for g, (grp, table) in enumerate(zip(d.groups, tables)):  # every check before the first record is written
-            n_default = engine.groups[g].num_blocks
-            if [HOLE if b < 0 else DEFAULT if b < n_default else COMPACT for b in table] != list(grp.present):
-                _fail(path, f"holds blocks of layer group {g} that its window (or the pool) would not keep (damaged)")
-        for g, (grp, table) in enumerate(zip(d.groups, tables)):
-            n_default = engine.groups[g].num_blocks
-            ids = np.asarray([b for b in table if 0 <= b < n_default], np.int64)
-            cids = np.asarray([b - n_default for b in table if b >= n_default], np.int64)
-            for i in grp.layers:
-                if len(ids):
-                    codes, scales, _ = arrays[i]
-                    codes[ids] = d.codes[i].view(codes.dtype).reshape((len(ids),) + codes.shape[1:])
-                    if d.scale_bytes:
-                        scales[ids] = d.scales[i].view(scales.dtype).reshape((len(ids),) + scales.shape[1:])
-                if len(cids):
-                    ccodes, cscales = carrays[i]
-                    ccodes[cids] = d.compact_codes[i].view(ccodes.dtype).reshape((len(cids),) + ccodes.shape[1:])
-                    cscales[cids] = d.compact_scales[i].view(cscales.dtype).reshape((len(cids),) + cscales.shape[1:])
-        if d.has_stage:
-            for i in range(d.num_layers):
-                arrays[i][2][seq] = d.stage[i]
-    except BaseException:  # the slot and its blocks go back; none of them keeps a prefix-cache entry
-        held = [(p, b) for p in pool.pools for b in p.block_table(seq) if 0 <= b < p.num_blocks]
-        pool.release(seq)
-        for p, b in held:
-            if not p.refcount(b):
-                p.forget_cached(b)
-        raise
-    return seq

@@ -28,7 +28,7 @@ from toolkit.manifest import read_manifest
 # on export/; nothing below imports this module.
 
 ART_DIR = Path("artifacts/smollm2")
-WEIGHTS = "int4-e4"  # export.artifacts.ONNX_WEIGHTS: int4 linears + int4 embedding
+WEIGHTS = "int4-e4"  # export.formats.ONNX_WEIGHTS: int4 linears + int4 embedding
 POOL_TOKENS = 4096
 MAX_CONTEXT = 8192  # what a contiguous engine preallocates per conversation
 TURNS = [

@@ -24,6 +24,7 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
+from runtime_sim import conversation_file, conversation_state
 from toolkit.block_pool import GroupedBlockPool, LayerGroup, group_layout, grouped_pool_bytes
 from toolkit.errors import PagedKVError, PoolExhausted
 from toolkit.pool_layout import PoolLayout
@@ -183,7 +184,7 @@ class Engine:
 
     def clear(self, cid: int) -> None:
         """Release the conversation's blocks; it stays usable and starts empty."""
-        conv = self._conv(cid)
+        conv = self.conversation(cid)
         if conv.spill is not None:  # no slot yet: take one first, so a failure changes nothing
             self._make_slot({id(conv)})
             seq = self.pool.new_sequence()
@@ -195,21 +196,21 @@ class Engine:
         conv.history, conv.pending = [], []
 
     def close(self, cid: int) -> None:
-        conv = self._conv(cid)
+        conv = self.conversation(cid)
         if conv.spill is not None:
             self._drop_spill(conv)
         else:
             self.pool.release(conv.seq)
         del self.conversations[cid]
 
-    def _conv(self, cid: int) -> Conversation:
+    def conversation(self, cid: int) -> Conversation:
         if cid not in self.conversations:
             raise PagedKVError(f"unknown conversation {cid}: create one with new_conversation().")
         return self.conversations[cid]
 
     # -- running -------------------------------------------------------------------------------
 
-    def _tables(self, width: int):
+    def block_tables(self, width: int):
         """Block tables [max_seqs, width] of the live sequences: one array, or a list of one per layer
         group when the model has several (a sliding group's rows have holes, -1, before the window)."""
         lay = self.backend.layout
@@ -365,10 +366,8 @@ class Engine:
             return False
         cid, conv = best
         path = self._spill_path(cid)
-        from runtime_sim import conversation_file
-
         try:
-            size = conversation_file.save(self, cid, path)
+            size = conversation_file.write(path, conversation_state.capture(self, cid))
         except (PagedKVError, OSError) as e:
             self.counters.spill_failures += 1
             log.warning("pool full: could not spill conversation %d to flash (%s); taking the next rung", cid, e)
@@ -390,9 +389,7 @@ class Engine:
     def _room_for_file(self, d, protect: set[int]) -> None:
         """adaptive: spill idle conversations until the saved conversation d can be restored (its
         default blocks, its compact blocks and a sequence slot)."""
-        from runtime_sim.conversation_file import blocks_to_restore
-
-        need = blocks_to_restore(d)
+        need = conversation_file.blocks_to_restore(d)
         while self.policy == "adaptive":
             short = [g for g, (n, f) in enumerate(zip(need, self.pool.free_blocks())) if n > f]
             compact_short = d.n_compact > self.pool.main.num_free_compact_blocks
@@ -411,11 +408,9 @@ class Engine:
     def _resident(self, cid: int, protect: set[int] | None = None) -> Conversation:
         """The conversation with its cache in the pool: a spilled one is mapped back from its file
         (no prefill; the same logits bit for bit), spilling others not in protect to make room."""
-        conv = self._conv(cid)
+        conv = self.conversation(cid)
         if conv.spill is None:
             return conv
-        from runtime_sim import conversation_file
-
         protect = (protect or set()) | {id(conv)}
         path = conv.spill
         try:
@@ -428,7 +423,7 @@ class Engine:
         if d.n_compact > self.pool.main.num_free_compact_blocks:  # the conversations of this step hold them
             return self._reprefill_spilled(cid, conv, protect, f"needs {d.n_compact} compact block(s), "
                                            f"{self.pool.main.num_free_compact_blocks} can be had")
-        conv.seq = conversation_file.restore_sequence(self, d, path)  # raises with nothing changed
+        conv.seq = conversation_state.restore_sequence(self, d, path)  # raises with nothing changed
         self._drop_spill(conv)
         self.counters.restores_from_spill += 1
         log.info("restored conversation %d (%d tokens) from its spill file", cid, len(conv.history))
@@ -467,7 +462,7 @@ class Engine:
         width = max(-(-(self.pool.length(c.seq) + len(t)) // bs) for c, t in items)
         last_rows = np.cumsum([len(t) for _, t in items]) - 1  # each conversation's last token in the call
         logits = self.backend.forward(
-            np.asarray(ids, np.int64), np.asarray(pos, np.int64), np.asarray(seqs, np.int64), self._tables(width),
+            np.asarray(ids, np.int64), np.asarray(pos, np.int64), np.asarray(seqs, np.int64), self.block_tables(width),
             rows=last_rows,
         )
         for conv, toks in items:
@@ -498,8 +493,8 @@ class Engine:
     def step(self, feeds: dict[int, list[int]]) -> dict[int, np.ndarray]:
         """One batched call: append tokens to several conversations (each after its pending tokens);
         returns each conversation's last logits. Decode steps of many chats share one call."""
-        protect = {id(self._conv(cid)) for cid in feeds}
-        if any(not self._conv(cid).pending and not toks for cid, toks in feeds.items()):
+        protect = {id(self.conversation(cid)) for cid in feeds}
+        if any(not self.conversation(cid).pending and not toks for cid, toks in feeds.items()):
             raise PagedKVError("step() needs at least one token per conversation.")
         items = []
         for cid, toks in feeds.items():
@@ -525,7 +520,7 @@ class Engine:
         """Prefill the prompt (appended to the conversation) and stream up to max_new_tokens tokens."""
         sampling = sampling or Sampling()
         rng = np.random.default_rng(sampling.seed)
-        conv = self._conv(cid)
+        conv = self.conversation(cid)
         logits = self.prefill(cid, prompt_ids)
         for i in range(max_new_tokens):
             tok = sample(logits, sampling, rng)
@@ -535,22 +530,37 @@ class Engine:
                 return
             logits = self.step({cid: [tok]})[cid]
 
-    # -- save / restore (runtime_sim/conversation_file.py; format: toolkit/CONVERSATION_FORMAT.md) --
+    # -- save / restore (runtime_sim/conversation_state.py; format: toolkit/CONVERSATION_FORMAT.md) --
+
+    def capture(self, cid: int) -> "conversation_file.ConversationData":
+        """Conversation cid as plain data: copies of its blocks' records as they lie in the pool, its stage
+        rows and tokens (what save writes)."""
+        self._resident(cid)
+        return conversation_state.capture(self, cid)
 
     def save(self, cid: int, path, app: bytes = b"") -> int:
         """Write conversation cid (its blocks as they lie in the pool, stage rows, tokens, and the
         caller's own `app` bytes) to path, atomically. Returns the file's size in bytes."""
-        from runtime_sim import conversation_file
-
-        self._resident(cid)
-        return conversation_file.save(self, cid, path, app)
+        d = self.capture(cid)
+        d.app = bytes(app)
+        return conversation_file.write(path, d)
 
     def restore(self, path) -> int:
         """A new conversation from a saved file, its blocks mapped back without re-prefill; a file of
         another model, spec or version, or a damaged one, raises PagedKVError and changes nothing."""
-        from runtime_sim import conversation_file
+        return self.restore_data(conversation_file.read(path), path)
 
-        return conversation_file.restore(self, path)  # adaptive: spills idle conversations to make room
+    def restore_data(self, d: "conversation_file.ConversationData", path) -> int:
+        """restore() of an already read (or captured) conversation; path names it in errors. Everything is
+        checked before the pool changes; adaptive: idle conversations are spilled to make room."""
+        if self.policy == "adaptive":  # room by spilling idle conversations, once the file is known to fit
+            conversation_file.check_compatible(d, conversation_state.describe(self), path)
+            self._room_for_file(d, set())
+        seq = conversation_state.restore_sequence(self, d, path)
+        cid = self._next_id
+        self._next_id += 1
+        self.conversations[cid] = Conversation(seq, list(d.tokens), list(d.pending), last_used=self.clock)
+        return cid
 
     # -- stats ---------------------------------------------------------------------------------
 

@@ -168,7 +168,7 @@ def test_one_global_group_is_exactly_the_single_pool():
     paged = compile(tiny_model("llama"), "default", num_blocks=8, max_seqs=2)
     assert [(g.window, g.num_blocks) for g in paged.groups] == [(0, 8)]
     e = Engine(TorchBackend(paged), prefill_chunk=16)
-    tables = e._tables(3)
+    tables = e.block_tables(3)
     assert not isinstance(tables, list) and tables.shape == (2, 3)
 
 
@@ -304,7 +304,7 @@ def test_pool_budget_sizes_the_global_group_and_counts_the_window(tmp_path, wiki
     art = tmp_path / "art"
     export_artifacts("tiny-gemma3", art, formats=("onnx",), spec="default",
                      pool=PoolRequest(pool_mb=budget / 2**20, max_seqs=1, block_size=BS),
-                     model_and_tokenizer=(tiny_model("gemma3"), tok))
+                     model_and_tokenizer=(tiny_model("gemma3"), tok), accept_fidelity=True)
     manifest = json.loads((art / "pagedkv.json").read_text())
     groups = [LayerGroup.from_dict(g) for g in manifest["groups"]]
     exported = layout_from_manifest(manifest)
@@ -413,7 +413,7 @@ def test_sliding_spec_exports_and_runs_on_every_backend(tmp_path, wikitext):
     art = tmp_path / "art"
     export_artifacts("tiny-gemma3", art, formats=("onnx", "pte"), spec="default", sliding_spec=SLIDING_SPEC,
                      pool=PoolRequest(pool_tokens=160, max_seqs=1, block_size=BS),
-                     model_and_tokenizer=(tiny_model("gemma3"), tiny_bpe_tokenizer(lines)))
+                     model_and_tokenizer=(tiny_model("gemma3"), tiny_bpe_tokenizer(lines)), accept_fidelity=True)
     manifest = json.loads((art / "pagedkv.json").read_text())
     assert manifest["format_version"] == 2
     assert [LayerGroup.from_dict(g).spec for g in manifest["groups"]] == [None, sliding]
@@ -472,7 +472,7 @@ def test_sliding_spec_exports_and_runs_on_every_backend(tmp_path, wikitext):
     used = fresh.pool.stats()["used_blocks"]
     d.groups[1].spec = None
     with pytest.raises(PagedKVError, match="layer-group specs"):
-        cf.restore_data(fresh, d, path)
+        fresh.restore_data(d, path)
     d.groups[1].spec, d.groups[0].spec = sliding, sliding
     cf.write(tmp_path / "bad.pkvc", d)
     with pytest.raises(PagedKVError, match="gives layer group 0 .* its own spec"):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from runtime_sim import conversation_file as cf
+from runtime_sim import conversation_state
 from runtime_sim.backends import TorchBackend
 from runtime_sim.compact import compact_aged
 from runtime_sim.engine import Engine
@@ -35,8 +36,8 @@ def torch_engine(spec="default", family="llama", num_blocks=16, seed=0, **kw):
 def snapshot(engine):
     """Everything a failed restore must leave as it was: pool metadata and every pool tensor (the
     compact region's too)."""
-    pools = [tuple(a.copy() for a in layer) for layer in cf.pool_arrays(engine)]
-    pools += [tuple(a.copy() for a in cf.compact_arrays(engine)[i]) for i in sorted(cf.compact_arrays(engine))]
+    pools = [tuple(a.copy() for a in layer) for layer in conversation_state.pool_arrays(engine)]
+    pools += [tuple(a.copy() for a in conversation_state.compact_arrays(engine)[i]) for i in sorted(conversation_state.compact_arrays(engine))]
     meta = [engine.pool.free_blocks(), engine.pool.main.num_free_compact_blocks]
     tables = {s: [engine.pool.block_table(s, g) for g in range(len(engine.groups))]
               for s in engine.pool.live_sequences()}
@@ -439,7 +440,7 @@ def test_compacted_conversation_round_trip_bit_for_bit(tmp_path):
     # the file holds the compact records exactly as they lie in the compact region
     n = a.groups[0].num_blocks
     cids = [b - n for b in a.pool.block_table(a.conversations[ca].seq) if b >= n]
-    for i, (cc, cs) in cf.compact_arrays(a).items():
+    for i, (cc, cs) in conversation_state.compact_arrays(a).items():
         assert np.array_equal(d.compact_codes[i], cc[cids]) and np.array_equal(d.compact_scales[i], cs[cids].view(np.uint8))
     # restored beside a conversation that holds a compact block itself: other slot, other ids of both regions
     b = torch_engine(compact_blocks=4)
@@ -657,7 +658,7 @@ def exported_compact(tmp_path_factory):
     out = tmp_path_factory.mktemp("exported-compact") / "tiny"
     export_artifacts("tiny-llama", out, ("onnx", "pte"), "default", PoolRequest(pool_tokens=256, max_seqs=2,
                                                                                 compact_blocks=4),
-                     max_tokens_per_call=32, model_and_tokenizer=(tiny_model("llama"), None))
+                     max_tokens_per_call=32, model_and_tokenizer=(tiny_model("llama"), None), accept_fidelity=True)
     return out
 
 
