@@ -32,7 +32,8 @@ def art(tmp_path_factory, wikitext):
     lines = [ln for ln in wikitext.read_text(encoding="utf-8").splitlines() if ln.strip()][:2000]
     out = tmp_path_factory.mktemp("cli") / "tiny"
     export_artifacts("tiny-llama", out, ("onnx", "pte"), "default", PoolRequest(pool_tokens=512, max_seqs=3),
-                     max_tokens_per_call=32, model_and_tokenizer=(tiny_model("llama"), tiny_bpe_tokenizer(lines)))
+                     max_tokens_per_call=32, model_and_tokenizer=(tiny_model("llama"), tiny_bpe_tokenizer(lines)),
+                     accept_fidelity=True)
     return out
 
 
@@ -167,3 +168,24 @@ def test_runtime_pool_budget_and_policies(art):
     assert out["stats"]["used_blocks"] <= out["stats"]["total_blocks"]
     proc = pagedkv("run", art, "--prompt", "x", "--backend", "executorch", "--pool-mb", "1", check=False)
     assert proc.returncode == 2 and "fixed when the model is exported" in " ".join(proc.stderr.split())
+
+
+def test_list_options_take_several_values_after_one_flag():
+    from toolkit.cli import expand_list_options
+
+    assert expand_list_options(["eval", "m", "--spec", "fp16", "default", "--ctx", "8"]) == \
+        ["eval", "m", "--spec", "fp16", "--spec", "default", "--ctx", "8"]
+    assert expand_list_options(["eval", "m", "--spec", "fp16", "--spec", "k4v4", "best"]) == \
+        ["eval", "m", "--spec", "fp16", "--spec", "k4v4", "--spec", "best"]
+    # a non-list option's value and a list option's first value stay as they are, whatever they look like
+    assert expand_list_options(["plan", "m", "--ram", "1GiB", "--spec", "-x"]) == ["plan", "m", "--ram", "1GiB",
+                                                                                   "--spec", "-x"]
+    assert expand_list_options(["export", "m", "--spec", "default", "x"]) == ["export", "m", "--spec", "default", "x"]
+
+
+def test_plan_with_two_specs_after_one_flag(tmp_path):
+    d = tmp_path / "m"
+    tiny_model("llama").config.save_pretrained(d)
+    proc = pagedkv("plan", d, "--ram", "64MiB", "--spec", "fp16", "default", "--json")
+    rows = json.loads(proc.stdout)
+    assert [r["name"] for r in rows["specs"]] == ["fp16", "default"], rows

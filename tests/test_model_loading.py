@@ -241,3 +241,18 @@ def test_gguf_round_trip_and_cache(tmp_path, monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(model2(ids).logits, first)
     assert tok2.convert_ids_to_tokens([5]) == tok.convert_ids_to_tokens([5])
+
+
+def test_models_command_lists_the_registry_offline(tmp_path):
+    """`pagedkv models --json`: every registered model, cached or not, without touching the network (an empty
+    cache here)."""
+    import os
+    import sys
+
+    env = dict(os.environ, PAGEDKV_CACHE=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "toolkit.cli", "models", "--json"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["name"]: r for r in json.loads(proc.stdout)["models"]}
+    assert set(rows) >= {"smollm2", "gemma3-270m", "qwen2.5-coder-1.5b"}
+    assert not any(r["cached"] for r in rows.values()) and rows["qwen2.5-coder-1.5b"]["packages"] == 22

