@@ -1,6 +1,6 @@
 """Several runs of benchmarks/kernels.py side by side: which run is least disturbed, and the ranges.
 
-    python benchmarks/kernels_runs.py run1.json run2.json ...   (kernels.py --json files of one build)
+    python benchmarks/lab/kernels_runs.py run1.json run2.json ...   (kernels.py --json files of one build)
 
 The host is shared, so every run of kernels.py has a few disturbed cells. Given several runs of the same
 code this prints, per run, its distance from the per-cell medians of all runs (the sum over every
