@@ -280,8 +280,8 @@ def export_artifacts(
     accept_fidelity: bool = False,
 ) -> dict:
     """Export `model_path` to `out_dir` atomically; returns the manifest. `model_and_tokenizer` skips loading.
-    An existing non-empty `out_dir` is refused unless `force` (then replaced whole). spec None: the
-    candidate of kv_spec.DEFAULT_CANDIDATES with the lower calibration KLD. max_logits_rows bounds the logits rows one .pte call
+    An existing non-empty `out_dir` is refused unless `force` (then replaced whole). spec None: one of
+    kv_spec.DEFAULT_CANDIDATES, chosen by calibration KLD. max_logits_rows bounds the logits rows one .pte call
     computes (export_pte); None: all of the call's tokens. sliding_spec: the sliding layers' own KV spec
     (compile(sliding_spec=); the manifest is then format 2); None: every layer stores `spec`.
 
@@ -340,9 +340,10 @@ def export_artifacts(
 def _calibrate(model, tokenizer, candidates, layout, sliding_spec, calib_text, max_kld: float, accept: bool,
                console):
     """Key offsets and the fidelity of each of the pool's specs on the calibration text; with several
-    candidate pool specs (no --spec: kv_spec.DEFAULT_CANDIDATES, equal bytes) the one of lower KLD is the
-    pool's (Calibration.spec). SpecError (one line: the spec, its KLD, the bound and a spec that passes)
-    when a spec exceeds max_kld and not accept. None for a float pool (nothing quantized, nothing to guard)."""
+    candidate pool specs (no --spec: kv_spec.DEFAULT_CANDIDATES, equal bytes) the first is the pool's while
+    its KLD is at most kv_spec.DEFAULT_PREFERRED_KLD, else the one of lower KLD (Calibration.spec). SpecError
+    (one line: the spec, its KLD, the bound and a spec that passes) when a spec exceeds max_kld and not
+    accept. None for a float pool (nothing quantized, nothing to guard)."""
     from toolkit.fidelity import spec_name
     from toolkit.model_dims import model_dims
 
@@ -360,8 +361,9 @@ def _calibrate(model, tokenizer, candidates, layout, sliding_spec, calib_text, m
                         f"{', '.join(roles)})..."):
         cal = calibrate(model, ids, roles, name)
     if len(candidates) > 1:
-        console.print(f"[dim]  KV spec: {spec_name(cal.spec)}, the lower calibration KLD of "
-                      f"{', '.join(spec_name(c) for c in candidates)} (equal bytes; --spec overrides)[/]")
+        klds = ", ".join(f"{n} {k:.5f}" for n, k in cal.candidates.items())
+        console.print(f"[dim]  KV spec: {spec_name(cal.spec)} by calibration KLD ({klds}; equal bytes; "
+                      "--spec overrides)[/]")
     for role, f in cal.fidelity.items():
         console.print(f"[dim]  calibration: {role} {f['spec']}: KLD {f['kld']:.5f}, top-1 {100 * f['top1']:.1f}% "
                       f"vs the unquantized pool ({time.time() - t0:.1f} s)[/]")

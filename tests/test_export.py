@@ -168,10 +168,10 @@ def test_manifest_describes_pool_and_artifacts(fp32_artifacts):
     assert m["versions"]["executorch"] == "1.5.1" and m["versions"]["torch"].startswith("2.13.0")
 
 
-def test_export_without_spec_takes_the_candidate_of_lower_kld(tmp_path):
-    """No --spec: export scores default and best (equal bytes) on the calibration text and keeps the lower KLD,
-    by measurement, not by model name; the manifest records both KLDs."""
-    from toolkit.kv_spec import DEFAULT_CANDIDATES, PRESETS
+def test_export_without_spec_chooses_by_calibration_kld(tmp_path):
+    """No --spec: export scores default and best (equal bytes) on the calibration text: default while its KLD is
+    within DEFAULT_PREFERRED_KLD, else the lower, by measurement, not by model name; the manifest records both."""
+    from toolkit.kv_spec import DEFAULT_CANDIDATES, DEFAULT_PREFERRED_KLD, PRESETS
     from toolkit.manifest import layout_from_manifest
 
     for family in ("llama", "gemma3"):
@@ -179,5 +179,6 @@ def test_export_without_spec_takes_the_candidate_of_lower_kld(tmp_path):
                              model_and_tokenizer=(tiny_model(family, num_layers=1), None), accept_fidelity=True)
         got = m["calibration"]["candidates"]
         assert set(got) == set(DEFAULT_CANDIDATES)
-        assert layout_from_manifest(m).spec == PRESETS[min(got, key=got.get)]
-        assert m["calibration"]["fidelity"]["pool"]["kld"] == min(got.values())
+        want = "default" if got["default"] <= DEFAULT_PREFERRED_KLD else min(got, key=got.get)
+        assert layout_from_manifest(m).spec == PRESETS[want]
+        assert m["calibration"]["fidelity"]["pool"]["kld"] == got[want]

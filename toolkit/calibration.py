@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.errors import ArtifactError, PagedKVError, SpecError
-from toolkit.kv_spec import KVQuantSpec, PRESETS
+from toolkit.kv_spec import DEFAULT_PREFERRED_KLD, PRESETS, KVQuantSpec
 
 CALIB_TEXT = Path(__file__).with_name("data") / "calibration.txt"
 CALIB_TOKENS = 512
@@ -58,7 +58,8 @@ class Calibration:
 
 def calibration_ids(tokenizer, text_path: str | Path | None = None, tokens: int = CALIB_TOKENS,
                     vocab_size: int | None = None) -> tuple[list[int], str]:
-    """(token ids, a name for the text): the first `tokens` tokens of `text_path` (default CALIB_TEXT).
+    """(token ids, a name for the text): the first `tokens` tokens of `text_path` (default CALIB_TEXT), after
+    the tokenizer's BOS when it puts one before a text.
     A model without a tokenizer (tests hand export a bare model) gets a fixed pseudo-random id sequence
     over its vocab instead."""
     path = Path(text_path).expanduser() if text_path is not None else CALIB_TEXT
@@ -70,9 +71,11 @@ def calibration_ids(tokenizer, text_path: str | Path | None = None, tokens: int 
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise PagedKVError(f"--calib-text {path}: cannot read it as UTF-8 text ({e}): give a plain text file.") from None
-    from toolkit.fidelity import tokenize
+    from toolkit.fidelity import tokenize, tokenizer_bos
 
-    ids = tokenize(tokenizer, text)[:tokens]
+    bos = tokenizer_bos(tokenizer)  # a model whose tokenizer starts every text with BOS (Gemma) sees one here too
+    ids = ([bos] if bos is not None else []) + tokenize(tokenizer, text)
+    ids = ids[:tokens]
     if len(ids) < MIN_CALIB_TOKENS:
         raise PagedKVError(f"--calib-text {path} has {len(ids)} tokens, fewer than {MIN_CALIB_TOKENS}: give a longer "
                            "text (a few hundred tokens).")
@@ -109,11 +112,51 @@ def _score(model, ids, spec: KVQuantSpec, offsets, sliding_spec=None, reference=
     return float(kld[1] / count), float(agree[1] / count)
 
 
-def calibrate(model, ids: list[int], roles: dict, text: str = "calibration.txt", kernel: str = "native") -> Calibration:
+def _score_compact(model, ids, spec: KVQuantSpec, compact: KVQuantSpec, offsets):
+    """KLD and top-1 of a pool whose older half is in the compact tier, as the engine's adaptive policy leaves
+    it: the first half of ids prefilled in `spec`, its blocks after the sink re-quantized into the compact
+    region (toolkit.quant.compact_block, the table pointed there), then the second half; scored over the
+    second half's predictions against the unquantized pool."""
+    import torch
+
+    from toolkit.compiler import compile
+    from toolkit.quant import compact_block
+
+    bs = 16
+    n = len(ids)
+    nb = -(-n // bs)
+    aged = (n // 2) // bs  # blocks 0 .. aged-1 hold the first half
+    half = aged * bs
+    ids = torch.as_tensor(ids, dtype=torch.int64)
+    seq = lambda t: torch.zeros(t, dtype=torch.int64)  # noqa: E731
+    table = torch.arange(nb, dtype=torch.int64)[None, :]
+    with torch.no_grad():
+        ref = compile(model, "fp32", block_size=bs, num_blocks=nb, max_seqs=1, groups=False)
+        want = ref(ids[None], torch.arange(n), seq(n), table)[0, half:-1].float()
+        paged = compile(model, spec, block_size=bs, num_blocks=nb, max_seqs=1, groups=False, compact_blocks=nb,
+                        compact_spec=compact, key_offsets=offsets)
+        paged.reset_pool()
+        paged(ids[None, :half], torch.arange(half), seq(half), table, logits_rows=torch.tensor([half - 1]))
+        pools, cpools = paged.pool_tensors(), paged.compact_pool_tensors()
+        moved = table.clone()
+        for b in range(spec.sink_blocks, aged):
+            for layer, (ccodes, cscales) in cpools.items():
+                codes, scales, _ = pools[layer]
+                compact_block(codes, scales, ccodes, cscales, b, b, spec, paged.layout.compact, paged.dims.head_dim)
+            moved[0, b] = nb + b
+        got = paged(ids[None, half:], torch.arange(half, n), seq(n - half), moved)[0, :-1].float()
+    ref_logp, logp = torch.log_softmax(want, -1), torch.log_softmax(got, -1)
+    kld = float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean())
+    return kld, float((logp.argmax(-1) == ref_logp.argmax(-1)).float().mean())
+
+
+def calibrate(model, ids: list[int], roles: dict, text: str = "calibration.txt", kernel: str = "native",
+              prefer_below: float = DEFAULT_PREFERRED_KLD) -> Calibration:
     """Key offsets from `ids` (for a quantized pool) and the fidelity of each role's spec. roles: name ->
     KVQuantSpec; "sliding" is the sliding layers' own spec, scored with the pool's spec in the other
-    layers; "pool" may be a list of candidate specs, of which the one with the lower
-    KLD becomes the pool's (Calibration.spec; the others' KLDs in Calibration.candidates)."""
+    layers; "compact" the compact region's, scored with the older half of the text compacted; "pool" may be a list of candidate specs, of which the one with the lower
+    KLD becomes the pool's unless the first's KLD is at most prefer_below (Calibration.spec; every candidate's
+    KLD in Calibration.candidates)."""
     from toolkit.fidelity import _op_kernel, spec_name
     from toolkit.key_offsets import measure_key_offsets
 
@@ -125,14 +168,18 @@ def calibrate(model, ids: list[int], roles: dict, text: str = "calibration.txt",
         if len(candidates) > 1:
             scored = [(_score(model, ids, c, offsets), c) for c in candidates]
             cal.candidates = {spec_name(c): float(f"{kld:.6g}") for (kld, _), c in scored}
-            (kld, top1), cal.spec = min(scored, key=lambda x: x[0][0])
+            first = scored[0]
+            (kld, top1), cal.spec = first if first[0][0] <= prefer_below else min(scored, key=lambda x: x[0][0])
             cal.fidelity["pool"] = {"spec": cal.spec.describe(), "kld": float(f"{kld:.6g}"), "top1": round(top1, 5)}
             roles = {k: v for k, v in roles.items() if k != "pool"}
         for role, spec in roles.items():
             base, sliding = (cal.spec, spec) if role == "sliding" else (spec, None)
             if base.is_float:
                 continue
-            kld, top1 = _score(model, ids, base, offsets, sliding)
+            if role == "compact":
+                kld, top1 = _score_compact(model, ids, cal.spec, spec, offsets)
+            else:
+                kld, top1 = _score(model, ids, base, offsets, sliding)
             shown = (sliding or base).describe()
             cal.fidelity[role] = {"spec": shown, "kld": float(f"{kld:.6g}"), "top1": round(top1, 5)}
     return cal

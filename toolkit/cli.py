@@ -128,11 +128,12 @@ def specs():
         b = bytes_per_token(spec, 1, 64)
         table.add_row(name, spec.describe(), str(b), f"{b / fp16_bytes_per_token(1, 64):.3f}x")
     Console().print(table)
-    from toolkit.kv_spec import DEFAULT_CANDIDATES
+    from toolkit.kv_spec import DEFAULT_CANDIDATES, DEFAULT_PREFERRED_KLD
 
     Console().print(f"`pagedkv export` without --spec measures {' and '.join(DEFAULT_CANDIDATES)} (equal bytes) on "
-                    "the calibration text and takes the one of lower KLD; every export refuses a spec whose KLD "
-                    "exceeds --max-kld there (its pagedkv.json records what was measured).")
+                    f"the calibration text and keeps {DEFAULT_CANDIDATES[0]} while its KLD is <= "
+                    f"{DEFAULT_PREFERRED_KLD}, else the lower; every export refuses a spec whose KLD exceeds "
+                    "--max-kld there (its pagedkv.json records what was measured).")
 
 
 @app.command("models")
@@ -261,8 +262,9 @@ def export_cmd(
     model: str = typer.Argument("smollm2", help="HF model dir, a .gguf file, or 'smollm2' (the default model)."),
     out: Path = typer.Option(Path("artifacts/smollm2"), "--out", "-o", help="Artifacts directory to write."),
     format: str = typer.Option("onnx", "--format", "-f", help="onnx, pte or all."),
-    spec: Optional[str] = typer.Option(None, help=SPEC_HELP + " Default: default or best (equal bytes), whichever "
-                                       "measures the lower KLD on the calibration text."),
+    spec: Optional[str] = typer.Option(None, help=SPEC_HELP + " Default: default (K8/V4, the fastest kernels) "
+                                       "while its KLD on the calibration text is <= 0.001, else best if that "
+                                       "measures lower (equal bytes)."),
     block_size: int = typer.Option(16, help="Tokens per block: 16 or 32."),
     pool_tokens: Optional[int] = typer.Option(None, help="Pool capacity in tokens (default 2048)."),
     pool_mb: Optional[float] = typer.Option(None, help="Pool size in MiB (instead of --pool-tokens); with "

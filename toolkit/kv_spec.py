@@ -214,12 +214,15 @@ def resolve_spec(spec: "str | dict | KVQuantSpec") -> KVQuantSpec:
     return spec_from_dict(changes, PRESETS[base], f"'{spec}'")
 
 
-# The specs `pagedkv export` chooses from when no --spec is given: the one with the lower KLD on the
-# calibration text (toolkit/calibration.py), measured on the model being exported, never picked by
-# model name. They take exactly the same bytes at every head_dim (K8/V4 and K7/V5, 0.414x fp16), so
-# the pool's size does not depend on the choice. Gemma 3 (one KV head of 256 dims) measures best
-# better, SmolLM2 and Qwen2.5 default (BENCHMARKS.md, "Fidelity").
+# The specs `pagedkv export` chooses from when no --spec is given, by their KLD on the calibration text
+# (toolkit/calibration.py), measured on the model being exported, never picked by model name: the first
+# while its KLD is at most DEFAULT_PREFERRED_KLD, else the one of lower KLD. They take exactly the same
+# bytes at every head_dim (K8/V4 and K7/V5, 0.414x fp16), so the pool's size does not depend on the
+# choice, but not the same time: K8/V4 runs the kernels' fused 8/4-bit path, K7/V5 widens its codes first
+# (2.8-3x the attention step at SmolLM2's dims, 16K keys). On the calibration text default measures
+# 0.00085 (SmolLM2), 0.00091 (Gemma 3 270M), 0.0005 (Qwen2.5-1.5B); best 0.0003 on all three.
 DEFAULT_CANDIDATES = ("default", "best")
+DEFAULT_PREFERRED_KLD = 0.001
 
 
 # The specs `pagedkv eval`, `pagedkv plan` and the benchmarks compare unless told otherwise.
