@@ -145,6 +145,7 @@ class Mode:
     step = 1  # tokens per engine step (1: a decode)
     block_size = 16
     chunk = 512
+    key_offsets: list | None = None  # per layer [Hkv, D]: subtracted from the quantized rows' keys, as export does
 
 
 def stored(x: torch.Tensor, spec: KVQuantSpec, d: int):
@@ -216,6 +217,8 @@ def emulated_attention(module, query, key, value, attention_mask, scaling=None, 
                                                                enable_gqa=True)[0]
         return out.transpose(0, 1)[None].to(query.dtype), None
     row = Mode.row
+    if Mode.key_offsets is not None:  # exact for the attention (toolkit/key_offsets.py)
+        k = k - Mode.key_offsets[module.layer_idx][:, None, :]
     spec, bs = Mode.default, Mode.block_size
     if window and Mode.kind == "compact" and row.sliding is not None:  # a per-group spec (--sliding-spec)
         spec = row.sliding
@@ -299,7 +302,8 @@ def check_against_op(model, ids: torch.Tensor, bs: int, spec: KVQuantSpec, n: in
     Mode.kind = "default"
     model.set_attn_implementation(ATTN_NAME)
     mine = logprobs(model, hidden_states(model, w))
-    paged = compile(model, spec, block_size=bs, num_blocks=-(-n // bs), max_seqs=1, groups=False)
+    paged = compile(model, spec, block_size=bs, num_blocks=-(-n // bs), max_seqs=1, groups=False,
+                    key_offsets=Mode.key_offsets)
     with torch.no_grad():
         theirs = paged(w[None], torch.arange(n), torch.zeros(n, dtype=torch.int64),
                        torch.arange(-(-n // bs))[None])[0].float()
@@ -344,6 +348,8 @@ def op_attention(module, query, key, value, attention_mask, scaling=None, dropou
     c = lay.compact
     ckg, cvg = c.groups(d)
     t = OpRun.positions.numel()
+    if Mode.key_offsets is not None:
+        key = key - Mode.key_offsets[module.layer_idx][None, :, None, :]
     out = torch.ops.pagedkv.quantized_paged_attention_mixed(
         query, key, value, codes, scales, stage, ccodes, cscales, OpRun.positions, torch.zeros(t, dtype=torch.int64),
         table[None], torch.full((query.shape[1],), float("-inf")),
@@ -428,6 +434,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=256, help="queries per attention chunk (memory)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-check", action="store_true", help="skip the emulation-vs-op check")
+    ap.add_argument("--no-key-offsets", action="store_true",
+                    help="keep the keys as they are (default: subtract the key offsets export calibrates)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "compact_tier.json")
     args = ap.parse_args(argv)
     if not args.text.is_file():
@@ -466,6 +474,11 @@ def main(argv=None) -> int:
         ap.error(f"--ctx {args.ctx}: the text has {ids.numel()} tokens, the checks need 768 (or pass --no-check)")
     target = ids[1:]
 
+    if not args.no_key_offsets:
+        from toolkit.calibration import calibration_ids
+        from toolkit.key_offsets import measure_key_offsets
+
+        Mode.key_offsets = measure_key_offsets(model, calibration_ids(tokenizer)[0])
     AttentionInterface.register(ATTN_NAME, emulated_attention)
     Mode.default, Mode.horizon, Mode.block_size, Mode.chunk = default, args.horizon, args.block_size, args.chunk
     Mode.step = args.step
