@@ -323,8 +323,7 @@ def export_artifacts(
         layout = make_layout(model.config, spec, pool, sliding_spec)
         tmp = _new_temp_dir(out_dir)
         manifest = _write_all(model, tokenizer, model_path, tmp, formats, spec, layout, onnx_weights, pte_weights,
-                              max_tokens_per_call, console, max_logits_rows, sliding_spec,
-                              (cal, max_kld, accept_fidelity))
+                              max_tokens_per_call, console, max_logits_rows, sliding_spec, cal)
         _replace_dir(tmp, out_dir)
         tmp = None
     except OSError as e:  # a full disk or a vanished dir: one line, nothing left behind
@@ -368,6 +367,7 @@ def _calibrate(model, tokenizer, candidates, layout, sliding_spec, calib_text, m
         console.print(f"[dim]  calibration: {role} {f['spec']}: KLD {f['kld']:.5f}, top-1 {100 * f['top1']:.1f}% "
                       f"vs the unquantized pool ({time.time() - t0:.1f} s)[/]")
     bad = failing_roles(cal, max_kld)
+    cal.max_kld, cal.accepted = max_kld, bool(bad)
     if not bad or accept:
         return cal
     role, f = bad[0], cal.fidelity[bad[0]]
@@ -384,9 +384,9 @@ def _calibrate(model, tokenizer, candidates, layout, sliding_spec, calib_text, m
 
 
 def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, onnx_weights, pte_weights,
-               max_tokens_per_call, console, max_logits_rows=None, sliding_spec=None, calibration=None) -> dict:
-    """Write every file of the export into `out` (a fresh dir); the manifest last. calibration: (Calibration,
-    max_kld, accepted) or None."""
+               max_tokens_per_call, console, max_logits_rows=None, sliding_spec=None, cal=None) -> dict:
+    """Write every file of the export into `out` (a fresh dir); the manifest last. cal: the Calibration
+    (_calibrate), or None for a float pool."""
     from toolkit.compiler import compile, groups_manifest, model_dims, sliding_pool_blocks
     from toolkit.manifest import check_file_name, weights_sha256
 
@@ -398,7 +398,6 @@ def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, o
         tok_files = sorted({Path(p).name for p in tokenizer.save_pretrained(out) if Path(p).is_file()})
     for name in tok_files:
         check_file_name(name, "tokenizer file")
-    cal = calibration[0] if calibration else None
     offsets = cal.offsets if cal else None
     offsets_sha = None
     if offsets is not None:
@@ -453,9 +452,7 @@ def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, o
         "artifacts": artifacts,
         "tokenizer_files": tok_files,
         **chat_fields(tokenizer, _eos_ids(model, tokenizer), dims.vocab_size),
-        **({"calibration": cal.to_manifest(offsets_sha, calibration[1],
-                                           calibration[2] and bool(failing_roles(cal, calibration[1])))}
-           if cal else {}),
+        **({"calibration": cal.to_manifest(offsets_sha)} if cal else {}),
     }
     write_manifest(out, manifest)
     from toolkit.manifest import read_manifest

@@ -155,7 +155,7 @@ def test_cli_export_options_are_checked_first(tmp_path):
 def test_compact_role_is_scored_with_the_older_half_compacted():
     """The compact region's fidelity: the pool with its older half re-quantized to the compact spec sits between
     the pool all in the default spec and the pool all in the compact spec (scored on the same text)."""
-    from toolkit.calibration import _score, _score_compact
+    from toolkit.calibration import _reference, _score, _score_compact
     from toolkit.kv_spec import PRESETS, compact_spec_for
 
     model = outlier_model()
@@ -163,7 +163,8 @@ def test_compact_role_is_scored_with_the_older_half_compacted():
     spec = PRESETS["default"]
     compact = compact_spec_for(spec, 64)
     ids = IDS[:256]
-    plain, _ = _score(model, ids, spec, offsets)
-    half, _ = _score_compact(model, ids, spec, compact, offsets)
-    every, _ = _score(model, ids, compact, offsets)
+    ref_logp, _ = _reference(model, ids)
+    plain, _ = _score(model, ids, spec, offsets, ref_logp)
+    half, _ = _score_compact(model, ids, spec, compact, offsets, ref_logp)
+    every, _ = _score(model, ids, compact, offsets, ref_logp)
     assert plain < half < every

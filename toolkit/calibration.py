@@ -4,7 +4,7 @@ unquantized pool on the same text, and the guard that refuses a spec the model c
     cal = calibrate(model, calibration_ids(tokenizer), {"pool": spec, "compact": compact_spec})
     cal.offsets          # per layer [num_kv_heads, head_dim] (toolkit/key_offsets.py)
     cal.fidelity         # {"pool": {"spec", "kld", "top1"}, ...}
-    check_fidelity(cal, max_kld)   # SpecError naming the spec, its KLD and a spec that passes
+    failing_roles(cal, max_kld)    # the roles over the bound (export refuses them, naming a spec that passes)
 
 The text is the user's `--calib-text` or toolkit/data/calibration.txt (prose, a dialogue, numbers and
 code, written for this), cut to CALIB_TOKENS tokens. The offsets are written beside the graphs as
@@ -31,6 +31,7 @@ MIN_CALIB_TOKENS = 32
 # the noise of a few hundred tokens.
 DEFAULT_MAX_KLD = 0.02
 KEY_OFFSETS_FILE = "key_offsets.f32"
+BLOCK = 16  # the block size calibration's pools use
 # what `export` tries, in order, when it must name a spec that passes
 FALLBACK_SPECS = ("default", "best", "q8_0-q4_0")
 
@@ -43,12 +44,14 @@ class Calibration:
     fidelity: dict = field(default_factory=dict)  # role -> {"spec": describe(), "kld", "top1"}
     spec: KVQuantSpec | None = None  # the pool's spec (the chosen one when there were candidates)
     candidates: dict = field(default_factory=dict)  # candidate pool spec name -> its KLD (when export chose)
+    max_kld: float = DEFAULT_MAX_KLD  # the bound the export held the specs to
+    accepted: bool = False  # a spec over the bound was exported anyway (--accept-fidelity)
 
-    def to_manifest(self, offsets_sha256: str | None, max_kld: float, accepted: bool) -> dict:
-        out = {"text": self.text, "tokens": self.tokens, "max_kld": max_kld, "fidelity": self.fidelity}
+    def to_manifest(self, offsets_sha256: str | None) -> dict:
+        out = {"text": self.text, "tokens": self.tokens, "max_kld": self.max_kld, "fidelity": self.fidelity}
         if self.candidates:
             out["candidates"] = self.candidates
-        if accepted:
+        if self.accepted:
             out["accepted_below_bound"] = True
         if self.offsets is not None:
             n, (h, d) = len(self.offsets), tuple(self.offsets[0].shape)
@@ -82,91 +85,105 @@ def calibration_ids(tokenizer, text_path: str | Path | None = None, tokens: int 
     return ids, ("calibration.txt" if text_path is None else path.name)
 
 
-def _score(model, ids, spec: KVQuantSpec, offsets, sliding_spec=None, reference=None):
-    """KLD and top-1 agreement of `spec` vs the unquantized pool over one window of ids."""
+def _table(paged, nb: int):
+    """The one sequence's block table for every layer group of `paged` (blocks 0 .. nb-1)."""
+    import torch
+
+    return (torch.arange(nb, dtype=torch.int64)[None, :],) * len(paged.groups)
+
+
+def _reference(model, ids):
+    """(log-probs [n, vocab] of the unquantized pool over ids, the key offsets measured in the same pass)."""
     import torch
 
     from toolkit.compiler import compile
-    from toolkit.fidelity import score_windows
+    from toolkit.key_offsets import observing_keys
 
-    bs = 16
-    nb = -(-len(ids) // bs)
-
-    def runner(paged):
-        table = torch.arange(nb, dtype=torch.int64)[None, :]
-        tables = (table,) * len(paged.groups)
-
-        def run(window):
-            paged.reset_pool()
-            pos = torch.arange(window.numel(), dtype=torch.int64)
-            with torch.no_grad():
-                return paged(window[None], pos, torch.zeros_like(pos), *tables)[0].float()
-        return run
-
-    ref = compile(model, "fp32", block_size=bs, num_blocks=nb, max_seqs=1)
-    row = compile(model, spec, block_size=bs, num_blocks=nb, max_seqs=1, sliding_spec=sliding_spec,
-                  key_offsets=offsets)
     ids = torch.as_tensor(ids, dtype=torch.int64)
-    _, kld, agree, count = score_windows([("fp32", runner(ref)), ("spec", runner(row))], ids, ids.numel(), 1,
-                                         progress=False)
-    return float(kld[1] / count), float(agree[1] / count)
+    nb = -(-ids.numel() // BLOCK)
+    ref = compile(model, "fp32", block_size=BLOCK, num_blocks=nb, max_seqs=1)
+    pos = torch.arange(ids.numel())
+    with observing_keys(model) as keys, torch.no_grad():
+        logits = ref(ids[None], pos, torch.zeros_like(pos), *_table(ref, nb))[0].float()
+    return torch.log_softmax(logits, -1), keys.offsets()
 
 
-def _score_compact(model, ids, spec: KVQuantSpec, compact: KVQuantSpec, offsets):
+def _versus(ref_logp, logits) -> tuple[float, float]:
+    """KLD(reference || row) and top-1 agreement, averaged over the rows' positions."""
+    import torch
+
+    logp = torch.log_softmax(logits.float(), -1)
+    kld = float((ref_logp.exp() * (ref_logp - logp)).sum(-1, dtype=torch.float64).mean())
+    return kld, float((logp.argmax(-1) == ref_logp.argmax(-1)).double().mean())
+
+
+def _score(model, ids, spec: KVQuantSpec, offsets, ref_logp, sliding_spec=None) -> tuple[float, float]:
+    """KLD and top-1 agreement of `spec` vs the unquantized pool (ref_logp, _reference) over one window of ids."""
+    import torch
+
+    from toolkit.compiler import compile
+
+    ids = torch.as_tensor(ids, dtype=torch.int64)
+    nb = -(-ids.numel() // BLOCK)
+    row = compile(model, spec, block_size=BLOCK, num_blocks=nb, max_seqs=1, sliding_spec=sliding_spec,
+                  key_offsets=offsets)
+    pos = torch.arange(ids.numel())
+    with torch.no_grad():
+        logits = row(ids[None], pos, torch.zeros_like(pos), *_table(row, nb))[0]
+    return _versus(ref_logp[:-1], logits[:-1])
+
+
+def _score_compact(model, ids, spec: KVQuantSpec, compact: KVQuantSpec, offsets, ref_logp) -> tuple[float, float]:
     """KLD and top-1 of a pool whose older half is in the compact tier, as the engine's adaptive policy leaves
-    it: the first half of ids prefilled in `spec`, its blocks after the sink re-quantized into the compact
-    region (toolkit.quant.compact_block, the table pointed there), then the second half; scored over the
-    second half's predictions against the unquantized pool."""
+    it: the first half of ids prefilled in `spec`, the global layers' blocks after the sink re-quantized into
+    the compact region (toolkit.quant.compact_block, the table pointed there), then the second half; scored
+    over the second half's predictions against the unquantized pool (ref_logp, _reference)."""
     import torch
 
     from toolkit.compiler import compile
     from toolkit.quant import compact_block
 
-    bs = 16
     n = len(ids)
-    nb = -(-n // bs)
-    aged = (n // 2) // bs  # blocks 0 .. aged-1 hold the first half
-    half = aged * bs
+    nb = -(-n // BLOCK)
+    aged = (n // 2) // BLOCK  # blocks 0 .. aged-1 hold the first half
+    half = aged * BLOCK
     ids = torch.as_tensor(ids, dtype=torch.int64)
     seq = lambda t: torch.zeros(t, dtype=torch.int64)  # noqa: E731
-    table = torch.arange(nb, dtype=torch.int64)[None, :]
+    paged = compile(model, spec, block_size=BLOCK, num_blocks=nb, max_seqs=1, compact_blocks=nb,
+                    compact_spec=compact, key_offsets=offsets)
+    tables = _table(paged, nb)
     with torch.no_grad():
-        ref = compile(model, "fp32", block_size=bs, num_blocks=nb, max_seqs=1, groups=False)
-        want = ref(ids[None], torch.arange(n), seq(n), table)[0, half:-1].float()
-        paged = compile(model, spec, block_size=bs, num_blocks=nb, max_seqs=1, groups=False, compact_blocks=nb,
-                        compact_spec=compact, key_offsets=offsets)
-        paged.reset_pool()
-        paged(ids[None, :half], torch.arange(half), seq(half), table, logits_rows=torch.tensor([half - 1]))
+        paged(ids[None, :half], torch.arange(half), seq(half), *tables, logits_rows=torch.tensor([half - 1]))
         pools, cpools = paged.pool_tensors(), paged.compact_pool_tensors()
-        moved = table.clone()
+        moved = tables[0].clone()  # the global group's table (the compact region is its own)
         for b in range(spec.sink_blocks, aged):
             for layer, (ccodes, cscales) in cpools.items():
                 codes, scales, _ = pools[layer]
                 compact_block(codes, scales, ccodes, cscales, b, b, spec, paged.layout.compact, paged.dims.head_dim)
             moved[0, b] = nb + b
-        got = paged(ids[None, half:], torch.arange(half, n), seq(n - half), moved)[0, :-1].float()
-    ref_logp, logp = torch.log_softmax(want, -1), torch.log_softmax(got, -1)
-    kld = float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean())
-    return kld, float((logp.argmax(-1) == ref_logp.argmax(-1)).float().mean())
+        logits = paged(ids[None, half:], torch.arange(half, n), seq(n - half), moved, *tables[1:])[0]
+    return _versus(ref_logp[half:-1], logits[:-1])
 
 
 def calibrate(model, ids: list[int], roles: dict, text: str = "calibration.txt", kernel: str = "native",
               prefer_below: float = DEFAULT_PREFERRED_KLD) -> Calibration:
     """Key offsets from `ids` (for a quantized pool) and the fidelity of each role's spec. roles: name ->
     KVQuantSpec; "sliding" is the sliding layers' own spec, scored with the pool's spec in the other
-    layers; "compact" the compact region's, scored with the older half of the text compacted; "pool" may be a list of candidate specs, of which the one with the lower
-    KLD becomes the pool's unless the first's KLD is at most prefer_below (Calibration.spec; every candidate's
-    KLD in Calibration.candidates)."""
+    layers; "compact" the compact region's, scored with the older half of the text compacted; "pool" may
+    be a list of candidate specs, of which the first becomes the pool's while its KLD is at most
+    prefer_below, else the one of lower KLD (Calibration.spec; every candidate's KLD in
+    Calibration.candidates). One unquantized pass gives both the offsets and the reference."""
     from toolkit.fidelity import _op_kernel, spec_name
-    from toolkit.key_offsets import measure_key_offsets
 
     pool = roles["pool"]
     candidates = list(pool) if isinstance(pool, (list, tuple)) else [pool]
-    offsets = None if candidates[0].is_float else measure_key_offsets(model, ids)
+    ref_logp, offsets = _reference(model, ids)
+    if candidates[0].is_float:
+        offsets = None
     cal = Calibration(offsets, len(ids), text, spec=candidates[0])
     with _op_kernel(kernel):
         if len(candidates) > 1:
-            scored = [(_score(model, ids, c, offsets), c) for c in candidates]
+            scored = [(_score(model, ids, c, offsets, ref_logp), c) for c in candidates]
             cal.candidates = {spec_name(c): float(f"{kld:.6g}") for (kld, _), c in scored}
             first = scored[0]
             (kld, top1), cal.spec = first if first[0][0] <= prefer_below else min(scored, key=lambda x: x[0][0])
@@ -177,24 +194,26 @@ def calibrate(model, ids: list[int], roles: dict, text: str = "calibration.txt",
             if base.is_float:
                 continue
             if role == "compact":
-                kld, top1 = _score_compact(model, ids, cal.spec, spec, offsets)
+                kld, top1 = _score_compact(model, ids, cal.spec, spec, offsets, ref_logp)
             else:
-                kld, top1 = _score(model, ids, base, offsets, sliding)
+                kld, top1 = _score(model, ids, base, offsets, ref_logp, sliding)
             shown = (sliding or base).describe()
             cal.fidelity[role] = {"spec": shown, "kld": float(f"{kld:.6g}"), "top1": round(top1, 5)}
     return cal
 
 
 def passing_spec(model, ids, offsets, max_kld: float, kernel: str = "native", skip=()) -> tuple[str, float] | None:
-    """The first of FALLBACK_SPECS (not in skip) whose KLD on ids is within max_kld: (name, kld), or None."""
+    """The first of FALLBACK_SPECS (not in skip) whose KLD on ids is within max_kld: (name, kld), or None.
+    Only on a refusal, so it takes its own reference pass."""
     from toolkit.fidelity import _op_kernel
 
+    ref_logp, _ = _reference(model, ids)
     with _op_kernel(kernel):
         for name in FALLBACK_SPECS:
             spec = PRESETS[name]
             if spec in skip:
                 continue
-            kld, _ = _score(model, ids, spec, offsets)
+            kld, _ = _score(model, ids, spec, offsets, ref_logp)
             if kld <= max_kld:
                 return name, kld
     return None

@@ -15,7 +15,9 @@ import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from toolkit.calibration import CALIB_TOKENS, DEFAULT_MAX_KLD  # noqa: E402  (no torch: plain constants)
 from toolkit.errors import PagedKVError  # noqa: E402
+from toolkit.kv_spec import DEFAULT_PREFERRED_KLD  # noqa: E402
 
 app = typer.Typer(
     help="pagedkv: paged, group-wise quantized KV cache for on-device LLMs "
@@ -128,7 +130,7 @@ def specs():
         b = bytes_per_token(spec, 1, 64)
         table.add_row(name, spec.describe(), str(b), f"{b / fp16_bytes_per_token(1, 64):.3f}x")
     Console().print(table)
-    from toolkit.kv_spec import DEFAULT_CANDIDATES, DEFAULT_PREFERRED_KLD
+    from toolkit.kv_spec import DEFAULT_CANDIDATES
 
     Console().print(f"`pagedkv export` without --spec measures {' and '.join(DEFAULT_CANDIDATES)} (equal bytes) on "
                     f"the calibration text and keeps {DEFAULT_CANDIDATES[0]} while its KLD is <= "
@@ -190,7 +192,8 @@ def eval_(
                                      "measured on the calibration text from the quantized rows' keys, as export does "
                                      "(exact for attention; what lets low-bit keys hold on Qwen2.5)."),
     calib_text: Optional[Path] = typer.Option(None, "--calib-text", help="Text the key offsets are measured on "
-                                              "(its first 512 tokens). Default: toolkit/data/calibration.txt."),
+                                              f"(its first {CALIB_TOKENS} tokens). Default: "
+                                              "toolkit/data/calibration.txt."),
 ):
     """Fidelity of KV specs (and of exported artifacts' weight formats) vs the unquantized pool of the fp32
     model: PPL, KL divergence, top-1 agreement (teacher-forced)."""
@@ -263,8 +266,8 @@ def export_cmd(
     out: Path = typer.Option(Path("artifacts/smollm2"), "--out", "-o", help="Artifacts directory to write."),
     format: str = typer.Option("onnx", "--format", "-f", help="onnx, pte or all."),
     spec: Optional[str] = typer.Option(None, help=SPEC_HELP + " Default: default (K8/V4, the fastest kernels) "
-                                       "while its KLD on the calibration text is <= 0.001, else best if that "
-                                       "measures lower (equal bytes)."),
+                                       f"while its KLD on the calibration text is <= {DEFAULT_PREFERRED_KLD}, else "
+                                       "best if that measures lower (equal bytes)."),
     block_size: int = typer.Option(16, help="Tokens per block: 16 or 32."),
     pool_tokens: Optional[int] = typer.Option(None, help="Pool capacity in tokens (default 2048)."),
     pool_mb: Optional[float] = typer.Option(None, help="Pool size in MiB (instead of --pool-tokens); with "
@@ -290,10 +293,12 @@ def export_cmd(
         None, "--sliding-spec", help="KV spec of the sliding-window layers (Gemma 3: 15 of 18 layers), e.g. "
         "best:k_bits=6,v_bits=4; it may change bits, groups and symmetry only. Default: --spec for every layer."),
     calib_text: Optional[Path] = typer.Option(
-        None, "--calib-text", help="Calibration text (its first 512 tokens): the key offsets are measured and every "
+        None, "--calib-text", help=f"Calibration text (its first {CALIB_TOKENS} tokens): the key offsets are "
+        "measured and every "
         "spec of the pool is scored against the unquantized pool on it. Default: toolkit/data/calibration.txt."),
     max_kld: float = typer.Option(
-        0.02, "--max-kld", help="Refuse a spec whose KLD vs the unquantized pool on the calibration text is above "
+        DEFAULT_MAX_KLD, "--max-kld", help="Refuse a spec whose KLD vs the unquantized pool on the calibration text is "
+        "above "
         "this (specs that hold measure 0.0001-0.01; collapsed ones 0.05 and more)."),
     accept_fidelity: bool = typer.Option(
         False, "--accept-fidelity", help="Export even when a spec exceeds --max-kld (the manifest says so)."),

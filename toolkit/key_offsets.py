@@ -17,6 +17,8 @@ the exported .pte / .onnx carry them and their sha256 in pagedkv.json covers the
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import AttentionInterface
 
@@ -68,29 +70,38 @@ def _observe_forward(module, query, key, value, attention_mask, **kwargs):
 AttentionInterface.register(OBSERVE_NAME, _observe_forward)
 
 
+@contextlib.contextmanager
+def observing_keys(model):
+    """While inside, every forward of a model compiled from `model` adds its keys to the yielded sums
+    (`.offsets()` gives the means); the op runs as before. Compile before entering: compile() selects the
+    op's own attention."""
+    global _observer
+    from toolkit.compiler import ATTN_NAME, model_dims
+
+    _observer = _KeyMeans(model_dims(model.config).num_layers)
+    model.set_attn_implementation(OBSERVE_NAME)
+    try:
+        yield _observer
+    finally:
+        _observer = None
+        model.set_attn_implementation(ATTN_NAME)
+
+
 def measure_key_offsets(model, ids, chunk: int = 512) -> list[torch.Tensor]:
     """The mean post-RoPE key per layer, KV head and channel over the token ids `ids` (one sequence, run in
     chunks of `chunk` tokens through an unquantized pool, so every chunk's keys follow the real context).
     Returns float32 [num_kv_heads, head_dim] per layer (zeros for softcap / sink layers)."""
-    global _observer
-    from toolkit.compiler import ATTN_NAME, compile, model_dims
+    from toolkit.compiler import compile
 
     ids = torch.as_tensor(ids, dtype=torch.int64).flatten()
     if ids.numel() < 2:
         raise PagedKVError("the calibration text has fewer than 2 tokens: give a longer --calib-text.")
-    dims = model_dims(model.config)
     bs = 16
-    paged = compile(model, "fp32", block_size=bs, num_blocks=-(-ids.numel() // bs), max_seqs=1, groups=False)
-    table = torch.arange(paged.layout.num_blocks, dtype=torch.int64)[None, :]
-    _observer = _KeyMeans(dims.num_layers)
-    model.set_attn_implementation(OBSERVE_NAME)
-    try:
-        with torch.no_grad():
-            for start in range(0, ids.numel(), chunk):
-                part = ids[start:start + chunk]
-                pos = torch.arange(start, start + part.numel(), dtype=torch.int64)
-                paged(part[None], pos, torch.zeros_like(pos), table, logits_rows=torch.tensor([part.numel() - 1]))
-        return _observer.offsets()
-    finally:
-        _observer = None
-        model.set_attn_implementation(ATTN_NAME)
+    paged = compile(model, "fp32", block_size=bs, num_blocks=-(-ids.numel() // bs), max_seqs=1)
+    tables = (torch.arange(paged.layout.num_blocks, dtype=torch.int64)[None, :],) * len(paged.groups)
+    with observing_keys(model) as keys, torch.no_grad():
+        for start in range(0, ids.numel(), chunk):
+            part = ids[start:start + chunk]
+            pos = torch.arange(start, start + part.numel(), dtype=torch.int64)
+            paged(part[None], pos, torch.zeros_like(pos), *tables, logits_rows=torch.tensor([part.numel() - 1]))
+        return keys.offsets()
