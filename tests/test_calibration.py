@@ -168,3 +168,21 @@ def test_compact_role_is_scored_with_the_older_half_compacted():
     half, _ = _score_compact(model, ids, spec, compact, offsets, ref_logp)
     every, _ = _score(model, ids, compact, offsets, ref_logp)
     assert plain < half < every
+
+
+def test_bad_calibration_text_is_one_line_and_writes_nothing(tmp_path, wikitext):
+    """A --calib-text too short to calibrate on, or not UTF-8: one line naming it, before anything is written."""
+    from toolkit.errors import PagedKVError
+    from toolkit.tiny_models import tiny_bpe_tokenizer
+
+    lines = [ln for ln in wikitext.read_text(encoding="utf-8").splitlines() if ln.strip()][:500]
+    tok = tiny_bpe_tokenizer(lines)
+    short, binary = tmp_path / "short.txt", tmp_path / "binary.txt"
+    short.write_text("a few words only")
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    for path, needle in ((short, "fewer than 32"), (binary, "cannot read it as UTF-8")):
+        out = tmp_path / f"out-{path.stem}"
+        with pytest.raises(PagedKVError, match=needle) as e:
+            export_artifacts("tiny-qwen2", out, ("onnx",), "default", PoolRequest(pool_tokens=64, max_seqs=1),
+                             model_and_tokenizer=(tiny_model("qwen2"), tok), calib_text=path)
+        assert "\n" not in str(e.value) and not out.exists() and not list(tmp_path.glob(".out-*"))

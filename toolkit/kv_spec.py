@@ -219,8 +219,9 @@ def resolve_spec(spec: "str | dict | KVQuantSpec") -> KVQuantSpec:
 # while its KLD is at most DEFAULT_PREFERRED_KLD, else the one of lower KLD. They take exactly the same
 # bytes at every head_dim (K8/V4 and K7/V5, 0.414x fp16), so the pool's size does not depend on the
 # choice, but not the same time: K8/V4 runs the kernels' fused 8/4-bit path, K7/V5 widens its codes first
-# (2.8-3x the attention step at SmolLM2's dims, 16K keys). On the calibration text default measures
-# 0.00085 (SmolLM2), 0.00091 (Gemma 3 270M), 0.0005 (Qwen2.5-1.5B); best 0.0003 on all three.
+# (3.1x the attention step on avx2, 1.9x on avx512-vnni, at SmolLM2's dims and 16K keys). On the
+# calibration text default measures 0.00085 (SmolLM2), 0.00091 (Gemma 3 270M), 0.00046 (Qwen2.5-1.5B);
+# best 0.00017-0.00032 (benchmarks/default_spec.py).
 DEFAULT_CANDIDATES = ("default", "best")
 DEFAULT_PREFERRED_KLD = 0.001
 
