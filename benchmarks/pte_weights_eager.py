@@ -16,7 +16,11 @@ scored by benchmarks/weights_fidelity.py --backend executorch. Rows:
                              before every linear and the head, fp32 weights
   int8-table                 only the token table as int8 (a scale per row)
   8da4w-asym-e8h8-per-token  the new format with one activation scale per token (no chunks)
-  8da4w-asym-e8h8            the .pte format 8da4w-asym-e8h8 (activation chunks of 192)
+  8da4w-asym-e8h8-uncapped   the format with a scale per 192 inputs on every linear (no piece cap)
+  8da4w-asym-e8h8-uncalibrated  without the calibration inputs: int4 for every linear but the head
+  8da4w-asym-e8h8            the .pte format 8da4w-asym-e8h8 (int8 linears chosen on the calibration
+                             inputs: export/linear_inputs.py) (chunks of 192 inputs, at most
+                             MAX_ACT_PIECES per linear: export.executorch_export.act_chunk)
 Writes benchmarks/results/pte_weights_eager.json and prints a markdown table.
 """
 
@@ -40,7 +44,7 @@ from benchmarks.e2e import cpu_model  # noqa: E402
 
 DEFAULT_TEXT = REPO / ".." / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 ROWS = ("8da4w-e8", "int4-sym-linears", "int4-sym-head", "int8-act-per-token", "int8-table",
-        "8da4w-asym-e8h8-per-token", "8da4w-asym-e8h8")
+        "8da4w-asym-e8h8-per-token", "8da4w-asym-e8h8-uncapped", "8da4w-asym-e8h8-uncalibrated", "8da4w-asym-e8h8")
 
 
 def act_int8_per_token(x):
@@ -54,7 +58,7 @@ def act_int8_per_token(x):
     return (torch.clamp(torch.round(x / scale) + zp, -128, 127) - zp) * scale
 
 
-def variant(model, name: str):
+def variant(model, name: str, linear_inputs=None, max_pieces: int | None = None):
     """A quantized copy of model for row `name`."""
     import torch
     from torchao.quantization import IntxWeightOnlyConfig, quantize_
@@ -78,7 +82,14 @@ def variant(model, name: str):
     elif name == "int8-table":
         ee._quantize_embeddings_int8(m)
     elif name.startswith("8da4w-asym-e8h8"):
-        ee._quantize_asym4(m, chunk=1 << 30 if name.endswith("per-token") else ee.ACT_CHUNK)
+        # the export's int8 choice by its calibration inputs; -uncalibrated: none (int4 linears)
+        inputs = None if name.endswith("uncalibrated") else linear_inputs
+        if name.endswith("per-token"):
+            ee._quantize_asym4(m, chunk=1 << 30, inputs=inputs)
+        else:  # -uncapped: a scale per ACT_CHUNK inputs however many pieces a linear gets
+            pieces = 1 << 30 if name.endswith("uncapped") else max_pieces or ee.MAX_ACT_PIECES
+            info = ee._quantize_asym4(m, max_pieces=pieces, inputs=inputs)
+            print(f"{name}: {info}", file=sys.stderr)
         ee._quantize_embeddings_int8(m)
     else:
         raise ValueError(name)
@@ -93,6 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-pieces", type=int, default=None,
+                    help="activation chunks per linear of the 8da4w-asym-e8h8 rows (default MAX_ACT_PIECES)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "pte_weights_eager.json")
     args = ap.parse_args(argv)
     if not args.text.is_file():
@@ -100,6 +113,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    from export.executorch_export import MAX_ACT_PIECES
     from toolkit.fidelity import tokenize
     from toolkit.model_loading import load_model
 
@@ -116,6 +130,12 @@ def main(argv=None) -> int:
             return torch.log_softmax(m(window[None], use_cache=False).logits[0, :-1].float(), -1)
 
     ref = [logp(model, w) for w in windows]
+    # the linears' inputs on the export's calibration text (export/linear_inputs.py), in a copy (the pass
+    # compiles the model it runs)
+    from export.linear_inputs import sample_linear_inputs
+    from toolkit.calibration import calibration_ids
+
+    linear_inputs = sample_linear_inputs(copy.deepcopy(model), calibration_ids(tokenizer)[0])
     count = args.windows * (args.ctx - 1)
     ref_nll = sum(float(-r.gather(1, w[1:, None]).sum(dtype=torch.float64)) for r, w in zip(ref, windows))
     ref_ppl = math.exp(ref_nll / count)
@@ -123,7 +143,7 @@ def main(argv=None) -> int:
     print(f"fp32 PPL {ref_ppl:.3f}", file=sys.stderr)
     for name in args.rows:
         t0 = time.perf_counter()
-        m = variant(model, name)
+        m = variant(model, name, linear_inputs, args.max_pieces)
         nll = kld = agree = 0.0
         for r, w in zip(ref, windows):
             lp = logp(m, w)
@@ -138,7 +158,7 @@ def main(argv=None) -> int:
         results.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     res = {"model": args.model, "ctx": args.ctx, "windows": args.windows, "predictions": count,
-           "text": args.text.name, "cpu": cpu_model(), "threads": args.threads, "results": results,
+           "text": args.text.name, "cpu": cpu_model(), "threads": args.threads, "max_pieces": args.max_pieces or MAX_ACT_PIECES, "results": results,
            "method": "eager PyTorch (HF model, fp32 attention), a fresh quantized copy per row; teacher-forced "
            "windows from the start of the text; reference = the fp32 model",
            "command": "python benchmarks/pte_weights_eager.py " + " ".join(argv if argv is not None else sys.argv[1:])}

@@ -20,7 +20,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from export.formats import FORMATS, ONNX_WEIGHTS, PTE_WEIGHTS  # noqa: F401  (re-exported)
+from export.formats import ASYM_WEIGHTS, FORMATS, ONNX_WEIGHTS, PTE_WEIGHTS  # noqa: F401  (re-exported)
+from export.stages import StageClock, format_bytes, peak_rss_bytes
+
 from toolkit.calibration import (DEFAULT_MAX_KLD, KEY_OFFSETS_FILE, calibrate, calibration_ids, check_max_kld,
                                  failing_roles, passing_spec, write_key_offsets)
 from toolkit.errors import ArtifactError, PagedKVError, SpecError
@@ -311,19 +313,25 @@ def export_artifacts(
             make_layout(config, spec or PRESETS[DEFAULT_CANDIDATES[0]], pool, sliding_spec)
 
     tmp = None
+    say = lambda msg: console.print(f"[dim]  {msg}[/]")  # noqa: E731
+    clock = StageClock(say)
     try:
         from toolkit.model_loading import load_model
 
         model, tokenizer = model_and_tokenizer or load_model(model_path)
+        if model_and_tokenizer is None:
+            clock.done("loading the model")
         candidates = [spec] if spec is not None else [PRESETS[n] for n in DEFAULT_CANDIDATES]
         layout = make_layout(model.config, candidates[0], pool, sliding_spec)
         cal = _calibrate(model, tokenizer, candidates, layout, sliding_spec, calib_text, max_kld, accept_fidelity,
                          console)
+        if cal is not None:
+            clock.done("calibration")
         spec = cal.spec if cal is not None else candidates[0]
         layout = make_layout(model.config, spec, pool, sliding_spec)
         tmp = _new_temp_dir(out_dir)
         manifest = _write_all(model, tokenizer, model_path, tmp, formats, spec, layout, onnx_weights, pte_weights,
-                              max_tokens_per_call, console, max_logits_rows, sliding_spec, cal)
+                              max_tokens_per_call, console, max_logits_rows, sliding_spec, cal, calib_text, clock)
         _replace_dir(tmp, out_dir)
         tmp = None
     except OSError as e:  # a full disk or a vanished dir: one line, nothing left behind
@@ -333,6 +341,7 @@ def export_artifacts(
             shutil.rmtree(tmp, ignore_errors=True)
     for fmt, entry in manifest["artifacts"].items():
         console.print(f"  wrote {out_dir / entry['file']} ({entry['bytes'] / 2**20:.1f} MiB, {entry['export_seconds']}s)")
+    console.print(f"  export took {time.perf_counter() - clock.began:.0f} s; peak RSS {format_bytes(peak_rss_bytes())}")
     return manifest
 
 
@@ -384,13 +393,17 @@ def _calibrate(model, tokenizer, candidates, layout, sliding_spec, calib_text, m
 
 
 def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, onnx_weights, pte_weights,
-               max_tokens_per_call, console, max_logits_rows=None, sliding_spec=None, cal=None) -> dict:
+               max_tokens_per_call, console, max_logits_rows=None, sliding_spec=None, cal=None,
+               calib_text=None, clock: StageClock | None = None) -> dict:
     """Write every file of the export into `out` (a fresh dir); the manifest last. cal: the Calibration
-    (_calibrate), or None for a float pool."""
+    (_calibrate), or None for a float pool. calib_text: where a .pte's int4 linears find their outlier
+    calibration inputs (export/linear_inputs.py). clock: the export's stages so far (loading, calibration),
+    recorded in the manifest with those of this function (export_stages; each artifact has its own)."""
     from toolkit.compiler import compile, groups_manifest, model_dims, sliding_pool_blocks
     from toolkit.manifest import check_file_name, weights_sha256
 
     dims = model_dims(model.config)
+    clock = clock or StageClock()
     weights = weights_sha256(model)  # before any format quantizes them (8da4w does, in place)
     say = lambda msg: console.print(f"[dim]  {msg}[/]")  # noqa: E731
     tok_files = []
@@ -403,6 +416,14 @@ def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, o
     if offsets is not None:
         write_key_offsets(out / KEY_OFFSETS_FILE, offsets)
         offsets_sha = sha256_file(out / KEY_OFFSETS_FILE)
+    linear_inputs = None
+    if "pte" in formats and pte_weights == ASYM_WEIGHTS:
+        from export.linear_inputs import sample_linear_inputs
+        from toolkit.calibration import calibration_ids
+
+        ids, name = calibration_ids(tokenizer, calib_text, vocab_size=dims.vocab_size)
+        linear_inputs = sample_linear_inputs(model, ids)
+        clock.done(f"the linears' inputs on {len(ids)} tokens of {name}")
     artifacts = {}
     for fmt in formats:  # onnx before pte: 8da4w quantizes the weights in place
         t0 = time.time()
@@ -421,16 +442,18 @@ def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, o
 
                     say("quantizing MatMul weights to int4 (MatMulNBits)" +
                         (" and the embedding (GatherBlockQuantized)" if onnx_weights == "int4-e4" else ""))
+                    int4 = StageClock(say)
                     entry.update(quantize_weights_int4(out / "model.onnx", embedding=onnx_weights == "int4-e4"))
-                    say(f"int4: {entry['int4_exact_blocks']} of {entry['int4_blocks']} MatMul weight blocks were "
-                        "on a 4-bit grid (stored exactly), the rest rounded to nearest")
+                    int4.done(f"quantizing weights to {onnx_weights}", f"{entry['int4_exact_blocks']} of "
+                              f"{entry['int4_blocks']} MatMul weight blocks on a 4-bit grid, stored exactly")
+                    entry["stages"] = entry["stages"] + int4.rows
                 entry["weights"] = onnx_weights
             else:
                 from export.executorch_export import export_pte
 
                 entry = export_pte(paged, out / "model.pte", weights=pte_weights,
                                    max_tokens=max_tokens_per_call, max_logits_rows=max_logits_rows,
-                                   progress=say)
+                                   progress=say, linear_inputs=linear_inputs)
         entry["sha256"] = sha256_file(out / entry["file"])
         entry["export_seconds"] = round(time.time() - t0, 1)
         entry["bytes"] = (out / entry["file"]).stat().st_size
@@ -451,6 +474,7 @@ def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, o
         **({"groups": groups_manifest(paged.groups)} if groups_manifest(paged.groups) else {}),
         "artifacts": artifacts,
         "tokenizer_files": tok_files,
+        "export_stages": clock.rows,
         **chat_fields(tokenizer, _eos_ids(model, tokenizer), dims.vocab_size),
         **({"calibration": cal.to_manifest(offsets_sha)} if cal else {}),
     }

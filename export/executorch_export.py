@@ -26,29 +26,30 @@ XNNPACK's per-token int8 activations 0.020, the int8 embedding 0.0001. Hence "8d
 Eager, same windows: KLD 0.0086, +0.86% PPL, top-1 94.8%. Every linear (block sums and offsets too)
 runs on XNNPACK, packed from the mapped file as for 8da4w; only the chunks' slices run outside it.
 q/k/v and gate/up are fused (LinearPart) and the offsets run once per linear: the export's time
-follows the graph's node count, and SmolLM2's export went from > 80 min unfinished to 39 min. The
-exported SmolLM2 program (ExecuTorch, ctx 512 x 8 windows, default KV): +0.52% PPL, KLD 0.0084; the
-runner's peak RSS at 8K is 223 MiB (216 with 32-token prefill chunks; 249 before the runner stopped keeping
-the token table's mapped pages, 287 before the block sums lost their 0/1 matrices and the head its unneeded
-rows) against llama.cpp's 368 (f16 KV) (BENCHMARKS.md, The memory a phone sees).
+follows the graph's node count (torch.export and the lowering trace every node through fake tensors in
+some 25 passes; about 2 s per activation chunk of a linear here), so a linear has at most MAX_ACT_PIECES
+chunks. In a GGUF model some linears are int8 instead (_quantize_asym4, export/linear_inputs.py: where the
+offset term cancels the int4 product on the calibration inputs; Qwen2.5-1.5B eager, ctx 512 x 2: KLD 0.20
+with int4 everywhere, 0.0068 with 29 of its 112 linears int8). The exported SmolLM2 program (ExecuTorch,
+ctx 512 x 8 windows, default KV, before the int8 linears): +0.52% PPL, KLD 0.0084; the runner's peak RSS
+at 8K is 223 MiB (216 with 32-token prefill chunks) against llama.cpp's 368 (f16 KV) (BENCHMARKS.md, The
+memory a phone sees).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import torch
 
 from toolkit.compiler import PagedModel, group_table_names
-from export.formats import PTE_WEIGHTS
+from export.formats import ASYM_WEIGHTS, PTE_WEIGHTS
 from toolkit.errors import PagedKVError
 from toolkit.manifest import LOGITS_ROWS, PTE_POOL_METHOD, compact_input_names, pool_identity
 
 POOL_BUFFER_PREFIXES = ("codes_", "scales_", "stage_")
-ASYM_WEIGHTS = "8da4w-asym-e8h8"  # one of export.formats.PTE_WEIGHTS
 
 
 def _quantize_8da4w(model: torch.nn.Module, group_size: int = 32) -> None:
@@ -63,11 +64,16 @@ def _quantize_8da4w(model: torch.nn.Module, group_size: int = 32) -> None:
 
 
 ACT_CHUNK = 192  # inputs per int8 activation scale in the 8da4w-asym-e8h8 linears (see ChunkedLinear)
+MAX_ACT_PIECES = 8  # the most activation chunks of one linear: each is a node group the export traces ~2 s
 
 
-def act_chunk(k: int, group: int, most: int = ACT_CHUNK) -> int:
-    """The largest multiple of `group` that divides k and is at most `most` (k itself when none is)."""
-    most = min(most, k)
+def act_chunk(k: int, group: int, most: int = ACT_CHUNK, max_pieces: int = MAX_ACT_PIECES) -> int:
+    """The largest multiple of `group` that divides k and is at most `most` inputs, or k/max_pieces when that
+    is more (k itself when none is). The export's time follows the linears' pieces (torch.export and the
+    XNNPACK lowering trace each through fake tensors in some 25 passes: about 2 s a piece on the AMD EPYC
+    here); max_pieces bounds them on wide linears (Qwen2.5-1.5B's down_proj, 8960 inputs: 56 pieces of 160
+    without the bound, 8 of 1120 with it)."""
+    most = min(max(most, -(-k // max_pieces)), k)
     for c in range(most - most % group, 0, -group):
         if k % c == 0:
             return c
@@ -91,12 +97,17 @@ class ChunkedLinear(torch.nn.Module):
         # x itself for a single chunk: a slice of all columns would export as a copy outside XNNPACK
         return x if width == x.shape[-1] else x[..., start:start + width]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """The quantized product of x (without the bias)."""
         y, start = None, 0
         for i, width in enumerate(self.widths):
             part = self.pieces[i](self._cols(x, start, width))
             y = part if y is None else y + part
             start += width
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.product(x)
         return y if self.bias is None else y + self.bias
 
 
@@ -119,7 +130,7 @@ class AsymInt4Linear(ChunkedLinear):
     (export.onnx_export.pack_int4_affine)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int = 32,
-                 chunk: int = ACT_CHUNK):
+                 chunk: int = ACT_CHUNK, max_pieces: int = MAX_ACT_PIECES):
         import numpy as np
         from torchao.quantization import IntxUnpackedToInt8Tensor
         from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import (
@@ -132,7 +143,7 @@ class AsymInt4Linear(ChunkedLinear):
         codes = torch.from_numpy(np.stack((packed & 15, packed >> 4), axis=-1).reshape(n, k).astype(np.int8) - 8)
         s = torch.from_numpy(scale).reshape(n, k // group)
         s_bf16 = s.to(torch.bfloat16).float()
-        c = act_chunk(k, group, chunk)
+        c = act_chunk(k, group, chunk, max_pieces)
         pieces = []
         for i in range(0, k, c):
             piece = torch.nn.Linear(c, n, bias=False)
@@ -143,16 +154,16 @@ class AsymInt4Linear(ChunkedLinear):
                 requires_grad=False)
             pieces.append(piece)
         super().__init__(pieces, bias)
-        self.group, self.nb, self.exact_blocks = group, k // group, exact
+        self.group, self.nb, self.exact_blocks, self.out_rows = group, k // group, exact, n
         offsets = (s * (8 - torch.from_numpy(zp).reshape(n, self.nb))).float()
         self.offsets = self.block_ones = None
         if offsets.any():
             self.offsets = torch.nn.Parameter(offsets.contiguous(), requires_grad=False)
             self.block_ones = torch.nn.Parameter(torch.ones(1, group), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
         # the block offsets over all K inputs at once (fp32), not per activation chunk
-        y = super().forward(x)
+        y = super().product(x)
         if self.offsets is None:
             return y
         sums = torch.nn.functional.linear(x.reshape(-1, self.group), self.block_ones).reshape(-1, self.nb)
@@ -205,34 +216,82 @@ class LinearPart(torch.nn.Module):
 FUSE_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def _int8_head(head: torch.nn.Linear, group: int = 32, chunk: int = ACT_CHUNK) -> ChunkedLinear:
-    """The LM head as 8da8w (int8 weights, a scale per output row and chunk) in ChunkedLinear pieces:
-    at 4 bits SmolLM2's head alone cost +12.8% PPL (eager, ctx 512 x 3 windows), at 8 bits +1.4%."""
+def _int8_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, group: int = 32, chunk: int = ACT_CHUNK,
+                 max_pieces: int = MAX_ACT_PIECES) -> ChunkedLinear:
+    """A linear as 8da8w (int8 weights, a scale per output row and chunk) in ChunkedLinear pieces. The LM
+    head: at 4 bits SmolLM2's head alone cost +12.8% PPL (eager, ctx 512 x 3 windows), at 8 bits +1.4%.
+    And the linears that int4 serves badly in a GGUF model (_quantize_asym4)."""
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
     from torchao.quantization.granularity import PerAxis
 
-    n, k = head.weight.shape
-    c = act_chunk(k, group, chunk)
+    n, k = weight.shape
+    c = act_chunk(k, group, chunk, max_pieces)
     pieces = []
     for i in range(0, k, c):
         piece = torch.nn.Linear(c, n, bias=False)
-        piece.weight = torch.nn.Parameter(head.weight.detach()[:, i:i + c].float().contiguous(), requires_grad=False)
+        piece.weight = torch.nn.Parameter(weight.detach()[:, i:i + c].float().contiguous(), requires_grad=False)
         quantize_(piece, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0)))
         pieces.append(piece)
-    return ChunkedLinear(pieces, head.bias)
+    return ChunkedLinear(pieces, bias)
 
 
-def _quantize_asym4(model: torch.nn.Module, group_size: int = 32, chunk: int = ACT_CHUNK) -> dict:
+# In a model whose linears lie on a 4-bit grid (a GGUF's Q4 dequantization: a linear is on it when at least
+# MIN_GRID_FRACTION of its sampled blocks are), a linear is stored as int8 (_int8_linear) instead of int4
+# when int4 multiplies its output error on the calibration inputs by more than INT8_GAIN
+# (export/linear_inputs.py). Qwen2.5-1.5B (eager, ctx 512 x 2): 29 of 112 linears int8, KLD 0.0068 where
+# int4 everywhere measures 0.20. A model off the grid (fp16/fp32 weights) keeps int4 everywhere: every
+# linear is rounded then, and 8 bits would double its size.
+INT8_GAIN = 2.0
+MIN_GRID_FRACTION = 0.5
+GRID_SAMPLE_ROWS = 64  # rows of each weight whose blocks say whether it is on the grid
+
+
+def grid_fraction(weight: torch.Tensor, group: int = 32, rows: int = GRID_SAMPLE_ROWS) -> float:
+    """The fraction of the first `rows` rows' blocks of `group` inputs that lie on a 16-level affine grid
+    (export.onnx_export._grid_steps, as pack_int4_affine stores them exactly)."""
+    import numpy as np
+
+    from export.onnx_export import _grid_steps
+
+    x = weight.detach()[:rows].double().numpy().reshape(-1, group)
+    return float(np.isfinite(_grid_steps(x)).mean())
+
+
+def _quantize_asym4(model: torch.nn.Module, group_size: int = 32, chunk: int = ACT_CHUNK,
+                    max_pieces: int = MAX_ACT_PIECES, inputs: dict | None = None) -> dict:
     """Every Linear but the LM head -> AsymInt4Linear, sibling projections of one input (FUSE_SIBLINGS)
-    fused into one AsymInt4Linear behind LinearParts; the head -> _int8_head (activation chunks of at
-    most `chunk` inputs). Returns the block counts."""
+    fused into one linear behind LinearParts; the head -> _int8_linear (activation chunks:
+    act_chunk(K, group_size, chunk, max_pieces)). In a model on the 4-bit grid, a linear that int4 serves
+    badly on its calibration inputs -> _int8_linear too (INT8_GAIN; inputs: {linear's qualified name: sample
+    inputs [rows, K]}, linear_inputs.sample_linear_inputs; None: int4 everywhere). Returns the int4 block
+    counts and how many linears (fused ones counted once) are int4 and int8."""
+    from export.linear_inputs import relative_error
+
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    total = exact = 0
+    inputs = inputs or {}
+    total = exact = int4 = int8 = 0
 
     def quantizable(mod) -> bool:
         return isinstance(mod, torch.nn.Linear) and mod is not head and mod.in_features % group_size == 0
 
-    for parent in list(model.modules()):
+    grid_model = any(grid_fraction(m.weight, group_size) >= MIN_GRID_FRACTION
+                     for m in model.modules() if quantizable(m))
+
+    def linear(weight, bias, x):
+        nonlocal total, exact, int4, int8
+        q = AsymInt4Linear(weight, bias, group_size, chunk, max_pieces)
+        if grid_model and x is not None:
+            q8 = _int8_linear(weight, bias, group_size, chunk, max_pieces)
+            if relative_error(q, x, weight) > INT8_GAIN * relative_error(q8, x, weight):
+                int8 += 1
+                return q8
+        int4 += 1
+        total += q.nb * q.out_rows
+        exact += q.exact_blocks
+        return q
+
+    for pname, parent in list(model.named_modules()):
+        qual = (lambda child: f"{pname}.{child}") if pname else (lambda child: child)  # noqa: E731
         for names in FUSE_SIBLINGS:
             mods = [getattr(parent, n, None) for n in names]
             if not all(quantizable(m) for m in mods) or len({m.in_features for m in mods}) > 1:
@@ -241,22 +300,17 @@ def _quantize_asym4(model: torch.nn.Module, group_size: int = 32, chunk: int = A
             has_bias = [m.bias is not None for m in mods]
             bias = torch.cat([m.bias.detach() if m.bias is not None else torch.zeros(m.out_features)
                               for m in mods]) if any(has_bias) else None
-            q = AsymInt4Linear(weight, bias, group_size, chunk)
-            total += q.nb * weight.shape[0]
-            exact += q.exact_blocks
+            q = linear(weight, bias, inputs.get(qual(names[0])))
             shared, start = _SharedInput(q, len(names)), 0
             for i, (name, m) in enumerate(zip(names, mods)):
                 setattr(parent, name, LinearPart(shared, i, start, start + m.out_features))
                 start += m.out_features
         for name, child in list(parent.named_children()):
             if child is head and isinstance(child, torch.nn.Linear) and child.in_features % group_size == 0:
-                setattr(parent, name, _int8_head(child, group_size, chunk))
+                setattr(parent, name, _int8_linear(child.weight, child.bias, group_size, chunk, max_pieces))
             elif quantizable(child):
-                q = AsymInt4Linear(child.weight, child.bias, group_size, chunk)
-                total += q.nb * child.out_features
-                exact += q.exact_blocks
-                setattr(parent, name, q)
-    return {"int4_blocks": total, "int4_exact_blocks": exact}
+                setattr(parent, name, linear(child.weight, child.bias, inputs.get(qual(name))))
+    return {"int4_blocks": total, "int4_exact_blocks": exact, "int4_linears": int4, "int8_linears": int8}
 
 
 def _quantize_embeddings_int8(model: torch.nn.Module) -> None:
@@ -361,30 +415,37 @@ def _without_compact_buffers(paged: PagedModel):
 
 
 def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_arena: int = 1,
-               max_tokens: int = 128, max_logits_rows: int | None = None, progress=None) -> dict:
+               max_tokens: int = 128, max_logits_rows: int | None = None, progress=None,
+               linear_inputs: dict | None = None) -> dict:
     """Write the .pte; returns its manifest entry (without sha256). A model with a compact region takes
     it as inputs (CompactInputs, between the tables and logits_rows); without one the program is the one
     exported before the compact tier. max_logits_rows: the most logits rows one call computes (None: as
     many as its tokens). The memory planner sizes the logits buffer for it: at SmolLM2's vocabulary
-    64 rows take 12 MiB of the activation arena, 1 row (a chat on a phone) 192 KiB."""
+    64 rows take 12 MiB of the activation arena, 1 row (a chat on a phone) 192 KiB. linear_inputs: the
+    linears' calibration inputs (export/linear_inputs.py), by which 8da4w-asym-e8h8 stores some linears as
+    int8 (_quantize_asym4); None: int4 everywhere."""
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
 
+    from export.stages import StageClock
+
     layout = paged.layout
+    clock = StageClock(progress)
     quant_info = {}
     if weights in ("8da4w", "8da4w-e8"):
         _quantize_8da4w(paged.hf)
     elif weights == ASYM_WEIGHTS:
-        quant_info = _quantize_asym4(paged.hf)
-        if progress:
-            progress(f"int4: {quant_info['int4_exact_blocks']} of {quant_info['int4_blocks']} linear weight blocks "
-                     "were on a 4-bit grid (stored exactly), the rest rounded to nearest")
+        quant_info = _quantize_asym4(paged.hf, inputs=linear_inputs)
     elif weights != "fp32":
         raise PagedKVError(f"weights '{weights}' cannot be exported to .pte: use one of {', '.join(PTE_WEIGHTS)}.")
     if weights in ("8da4w-e8", ASYM_WEIGHTS):
         import executorch.kernels.quantized  # noqa: F401  (registers the quantized_decomposed out variants)
 
         _quantize_embeddings_int8(paged.hf)
+    if weights != "fp32":
+        clock.done(f"quantizing weights to {weights}", f"{quant_info['int4_linears']} linears int4, "
+                   f"{quant_info['int8_linears']} int8; {quant_info['int4_exact_blocks']} of {quant_info['int4_blocks']} "
+                   "int4 blocks on a 4-bit grid, stored exactly" if quant_info else "")
     # block tables can be wider than the pool when the sliding policy leaves holes (-1) behind
     max_blocks = max(layout.num_blocks, 4096)
     t = torch.export.Dim("T", min=1, max=max_tokens)
@@ -403,7 +464,6 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
     rows = min(max_logits_rows or max_tokens, max_tokens)
     example_rows = torch.tensor([0, 1][:min(rows, 2)])
     dyn[LOGITS_ROWS] = {0: torch.export.Dim("R", min=1, max=rows)} if rows > 1 else None
-    t0 = time.time()
     with torch.no_grad():
         if compact:
             with _without_compact_buffers(paged):
@@ -413,15 +473,12 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
         else:
             exported = torch.export.export(paged, example, kwargs={LOGITS_ROWS: example_rows},
                                            dynamic_shapes=dyn, strict=False)
-    if progress:
-        progress(f"torch.export done in {time.time() - t0:.0f}s; lowering to XNNPACK")
-    t0 = time.time()
+    clock.done("torch.export")
     # what the program bakes in about its pool, as a constant method the runtime compares with the manifest
     identity = json.dumps(pool_identity(layout, paged.groups)).encode("utf-8")
     edge = to_edge_transform_and_lower(exported, partitioner=[_partitioner()], constant_methods={
         PTE_POOL_METHOD: torch.tensor(list(identity), dtype=torch.uint8)})
-    if progress:
-        progress(f"lowered in {time.time() - t0:.0f}s; planning memory")
+    clock.done("to_edge and XNNPACK lowering")
     arenas = PoolArenas(layout.num_layers, layers_per_arena)
     # a compact region's inputs are the runtime's memory (CompactInputs): graph inputs are not planned then
     planning = MemoryPlanningPass(memory_planning_algo=arenas, **({"alloc_graph_input": False} if compact else {}))
@@ -430,8 +487,10 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
                                 # dequantize + embedding -> embedding_byte (a no-op without quantized weights)
                                 do_quant_fusion_and_const_prop=weights in ("8da4w-e8", ASYM_WEIGHTS))
     )
+    clock.done("memory planning and emitting")
     path = Path(path)
     path.write_bytes(et.buffer)
+    clock.done("serializing")
     sizes = list(et.executorch_program.execution_plan[0].non_const_buffer_sizes)
     return {
         "file": path.name,
@@ -446,5 +505,6 @@ def export_pte(paged: PagedModel, path: Path, weights: str = "fp32", layers_per_
         # non_const_buffer_sizes[0] is reserved; [1] activations; [2..] one per group of layers' pools
         "arena_bytes": sizes[1:],
         "largest_arena_bytes": max(sizes[1:]) if len(sizes) > 1 else 0,
+        "stages": clock.rows,
         **quant_info,
     }

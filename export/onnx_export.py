@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -150,7 +149,10 @@ def export_onnx(paged: PagedModel, path: Path, progress=None) -> dict:
     dim, dynamic like NB) and its global layers are QuantizedPagedAttentionMixed nodes
     (export/onnx_mixed.py), with that node's fallback function beside the default op's; without one the
     graph is exactly the one exported before the compact tier."""
+    from export.stages import StageClock
+
     register_schema()
+    clock = StageClock(progress)
     layout = paged.layout
     if layout.num_blocks < 2:
         raise SpecError(f"a pool of {layout.num_blocks} block cannot be exported: use at least 2 blocks.")
@@ -178,17 +180,16 @@ def export_onnx(paged: PagedModel, path: Path, progress=None) -> dict:
 
         register_mixed_schema()
         table[torch.ops.pagedkv.quantized_paged_attention_mixed_functional.default] = translate_mixed_op
-    t0 = time.time()
     with torch.no_grad():
         # torch.export first (torch.onnx mangles the varargs structure of dynamic_shapes)
         exported = torch.export.export(fmodel, example, dynamic_shapes=dyn, strict=False)
+        clock.done("torch.export")
         prog = torch.onnx.export(
             exported, dynamo=True, opset_version=OPSET, input_names=inputs, output_names=outputs,
             custom_translation_table=table, optimize=True, verbose=False,
         )
     model = prog.model_proto
-    if progress:
-        progress(f"graph exported in {time.time() - t0:.0f}s; building the standard-op fallback")
+    clock.done("ONNX translation")
     # each op's fallback function where the graph has its nodes (the default op's: every layer but the
     # compact ones and those of a group with its own spec, whose nodes call an overload of it)
     own = own_spec_overloads(paged)
@@ -207,9 +208,11 @@ def export_onnx(paged: PagedModel, path: Path, progress=None) -> dict:
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     # what the graph bakes in about its pool, checked against the manifest when it is loaded
     model.metadata_props.add(key=ONNX_POOL_KEY, value=json.dumps(pool_identity(layout, groups)))
+    clock.done("standard-op fallback functions")
     path = Path(path)
     onnx.save_model(model, str(path))
-    return {"file": path.name, "inputs": inputs, "outputs": outputs}
+    clock.done("serializing")
+    return {"file": path.name, "inputs": inputs, "outputs": outputs, "stages": clock.rows}
 
 
 def _compact_example(layout: PoolLayout, compact_layers) -> tuple[list, list]:

@@ -69,10 +69,12 @@ def test_symmetric_grid_needs_no_offsets_and_other_weights_round_to_nearest():
 
 def test_activation_chunks():
     """Each int8 activation scale covers a chunk of inputs that divides K (96 -> 96, 576 -> 3 x 192,
-    640 -> 4 x 160); the pieces together hold the whole weight."""
-    from export.executorch_export import act_chunk
+    640 -> 4 x 160), and a wide linear gets at most MAX_ACT_PIECES chunks (8960 -> 8 x 1120, not 56 x 160);
+    the pieces together hold the whole weight."""
+    from export.executorch_export import MAX_ACT_PIECES, act_chunk
 
     assert (act_chunk(96, 32), act_chunk(576, 32), act_chunk(1536, 32), act_chunk(640, 32)) == (96, 192, 192, 160)
+    assert MAX_ACT_PIECES == 8 and act_chunk(8960, 32) == 1120 and act_chunk(8960, 32, max_pieces=1 << 30) == 160
     w = q4_1_weight(16, 576, seed=3)
     lin = AsymInt4Linear(w)
     assert lin.widths == [192, 192, 192]
@@ -102,3 +104,51 @@ def test_sibling_projections_fused_keep_every_number():
                 torch.testing.assert_close(getattr(mod, name)(x), alone[name](x), rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(getattr(mod, names[0])(x2), alone[names[0]](x2), rtol=1e-5, atol=1e-5)
         assert model(torch.arange(6)[None], use_cache=False).logits.isfinite().all()
+
+
+class TwoLinears(torch.nn.Module):
+    """Two projections "on" and "off" of the given weights (no LM head)."""
+
+    def __init__(self, on: torch.Tensor, off: torch.Tensor):
+        super().__init__()
+        self.on = torch.nn.Linear(on.shape[1], on.shape[0], bias=False)
+        self.off = torch.nn.Linear(off.shape[1], off.shape[0], bias=False)
+        self.on.weight.data, self.off.weight.data = on, off
+
+
+def test_a_model_off_the_grid_stays_int4():
+    """int8 is chosen only in a model with linears on the 4-bit grid (a GGUF Q4 dequantization): in a model
+    of fp weights every linear is rounded to int4 anyway, and int8 everywhere would double its size."""
+    from export.executorch_export import AsymInt4Linear, _quantize_asym4
+
+    g = torch.Generator().manual_seed(4)
+    m = TwoLinears(torch.randn(16, 64, generator=g), torch.randn(16, 64, generator=g))
+    x = torch.randn(32, 64, generator=g)
+    info = _quantize_asym4(m, inputs={"on": x, "off": x})
+    assert isinstance(m.on, AsymInt4Linear) and isinstance(m.off, AsymInt4Linear) and info["int8_linears"] == 0
+
+
+def test_calibration_inputs_choose_int8_where_int4_cancels():
+    """With calibration inputs, an on-grid linear whose int4 error on them is over INT8_GAIN x its int8 error
+    is int8. Blocks of near-zero weights with one large weight sit at one end of their grid (zero point 0):
+    their symmetric int4 codes are -8 and the offset term +8 steps, so the two terms cancel and the int8
+    activation error of the first is multiplied by 8 steps where the weight is 0 (export/linear_inputs.py).
+    Blocks spread over their grid stay int4 (exact there)."""
+    from export.executorch_export import INT8_GAIN, AsymInt4Linear, ChunkedLinear, _int8_linear, _quantize_asym4
+    from export.linear_inputs import relative_error
+
+    g = torch.Generator().manual_seed(7)
+    sparse = torch.zeros(16, 2, 32)
+    sparse[..., 5] = 15
+    sparse[..., 9] = torch.randint(0, 16, (16, 2), generator=g).float()
+    spread = torch.randint(0, 16, (16, 2, 32), generator=g).float()
+    spread[..., 0], spread[..., 1] = 0, 15
+    x = torch.randn(32, 64, generator=g)
+    for q, want8 in ((2.0**-8 * sparse, True), (2.0**-8 * (spread - 8), False)):
+        w = q.reshape(16, 64)
+        e4, e8 = relative_error(AsymInt4Linear(w), x, w), relative_error(_int8_linear(w), x, w)
+        assert (e4 > INT8_GAIN * e8) == want8, (e4, e8)
+        m = TwoLinears(w.clone(), q4_1_weight(16, 64, seed=8))
+        info = _quantize_asym4(m, inputs={"on": x, "off": x})
+        assert (type(m.on) is ChunkedLinear) == want8 and isinstance(m.off, AsymInt4Linear), info
+        assert info["int8_linears"] == int(want8)

@@ -85,7 +85,7 @@ def calibration_ids(tokenizer, text_path: str | Path | None = None, tokens: int 
     return ids, ("calibration.txt" if text_path is None else path.name)
 
 
-def _table(paged, nb: int):
+def one_sequence_tables(paged, nb: int):
     """The one sequence's block table for every layer group of `paged` (blocks 0 .. nb-1)."""
     import torch
 
@@ -104,7 +104,7 @@ def _reference(model, ids):
     ref = compile(model, "fp32", block_size=BLOCK, num_blocks=nb, max_seqs=1)
     pos = torch.arange(ids.numel())
     with observing_keys(model) as keys, torch.no_grad():
-        logits = ref(ids[None], pos, torch.zeros_like(pos), *_table(ref, nb))[0].float()
+        logits = ref(ids[None], pos, torch.zeros_like(pos), *one_sequence_tables(ref, nb))[0].float()
     return torch.log_softmax(logits, -1), keys.offsets()
 
 
@@ -129,7 +129,7 @@ def _score(model, ids, spec: KVQuantSpec, offsets, ref_logp, sliding_spec=None) 
                   key_offsets=offsets)
     pos = torch.arange(ids.numel())
     with torch.no_grad():
-        logits = row(ids[None], pos, torch.zeros_like(pos), *_table(row, nb))[0]
+        logits = row(ids[None], pos, torch.zeros_like(pos), *one_sequence_tables(row, nb))[0]
     return _versus(ref_logp[:-1], logits[:-1])
 
 
@@ -151,7 +151,7 @@ def _score_compact(model, ids, spec: KVQuantSpec, compact: KVQuantSpec, offsets,
     seq = lambda t: torch.zeros(t, dtype=torch.int64)  # noqa: E731
     paged = compile(model, spec, block_size=BLOCK, num_blocks=nb, max_seqs=1, compact_blocks=nb,
                     compact_spec=compact, key_offsets=offsets)
-    tables = _table(paged, nb)
+    tables = one_sequence_tables(paged, nb)
     with torch.no_grad():
         paged(ids[None, :half], torch.arange(half), seq(half), *tables, logits_rows=torch.tensor([half - 1]))
         pools, cpools = paged.pool_tensors(), paged.compact_pool_tensors()

@@ -262,7 +262,8 @@ SPEC_HELP = ("KV spec: a preset (see `pagedkv specs`: default, best, k4v4, k5v4,
 @app.command("export")
 @friendly_errors
 def export_cmd(
-    model: str = typer.Argument("smollm2", help="HF model dir, a .gguf file, or 'smollm2' (the default model)."),
+    model: str = typer.Argument("smollm2", help="HF model dir, a .gguf file, or a model name of `pagedkv models` "
+                                "(smollm2, the default; gemma3-270m; qwen2.5-coder-1.5b)."),
     out: Path = typer.Option(Path("artifacts/smollm2"), "--out", "-o", help="Artifacts directory to write."),
     format: str = typer.Option("onnx", "--format", "-f", help="onnx, pte or all."),
     spec: Optional[str] = typer.Option(None, help=SPEC_HELP + " Default: default (K8/V4, the fastest kernels) "
@@ -276,7 +277,8 @@ def export_cmd(
     onnx_weights: str = typer.Option("fp32", help="ONNX weights: fp32 or int4 (MatMulNBits)."),
     pte_weights: str = typer.Option(
         "fp32", help="ExecuTorch weights: fp32; 8da4w (torchao, symmetric int4); 8da4w-e8 (and an int8 embedding: "
-        "+65% PPL on SmolLM2); 8da4w-asym-e8h8 (asymmetric int4, exact on GGUF 4-bit grids; int8 head and embedding)."),
+        "+65% PPL on SmolLM2); 8da4w-asym-e8h8 (asymmetric int4, exact on GGUF 4-bit grids; int8 head and embedding; "
+        "int8 for the linears int4 serves badly on the calibration text, in a GGUF model)."),
     max_tokens_per_call: int = typer.Option(64, help="Largest prefill chunk the .pte accepts."),
     max_logits_rows: Optional[int] = typer.Option(
         None, help="Most logits rows one .pte call computes. 1 for a phone (a chat needs the last token's only; "
