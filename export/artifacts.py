@@ -22,7 +22,6 @@ from rich.console import Console
 
 from export.formats import ASYM_WEIGHTS, FORMATS, ONNX_WEIGHTS, PTE_WEIGHTS  # noqa: F401  (re-exported)
 from export.stages import StageClock, format_bytes, peak_rss_bytes
-
 from toolkit.calibration import (DEFAULT_MAX_KLD, KEY_OFFSETS_FILE, calibrate, calibration_ids, check_max_kld,
                                  failing_roles, passing_spec, write_key_offsets)
 from toolkit.errors import ArtifactError, PagedKVError, SpecError
@@ -396,8 +395,8 @@ def _write_all(model, tokenizer, model_path, out: Path, formats, spec, layout, o
                max_tokens_per_call, console, max_logits_rows=None, sliding_spec=None, cal=None,
                calib_text=None, clock: StageClock | None = None) -> dict:
     """Write every file of the export into `out` (a fresh dir); the manifest last. cal: the Calibration
-    (_calibrate), or None for a float pool. calib_text: where a .pte's int4 linears find their outlier
-    calibration inputs (export/linear_inputs.py). clock: the export's stages so far (loading, calibration),
+    (_calibrate), or None for a float pool. calib_text: the text on which a .pte's linears are sampled
+    to choose int4 or int8 for each (export/linear_inputs.py). clock: the export's stages so far (loading, calibration),
     recorded in the manifest with those of this function (export_stages; each artifact has its own)."""
     from toolkit.compiler import compile, groups_manifest, model_dims, sliding_pool_blocks
     from toolkit.manifest import check_file_name, weights_sha256

@@ -248,13 +248,13 @@ GRID_SAMPLE_ROWS = 64  # rows of each weight whose blocks say whether it is on t
 
 def grid_fraction(weight: torch.Tensor, group: int = 32, rows: int = GRID_SAMPLE_ROWS) -> float:
     """The fraction of the first `rows` rows' blocks of `group` inputs that lie on a 16-level affine grid
-    (export.onnx_export._grid_steps, as pack_int4_affine stores them exactly)."""
+    (export.onnx_export.grid_steps, as pack_int4_affine stores them exactly)."""
     import numpy as np
 
-    from export.onnx_export import _grid_steps
+    from export.onnx_export import grid_steps
 
     x = weight.detach()[:rows].double().numpy().reshape(-1, group)
-    return float(np.isfinite(_grid_steps(x)).mean())
+    return float(np.isfinite(grid_steps(x)).mean())
 
 
 def _quantize_asym4(model: torch.nn.Module, group_size: int = 32, chunk: int = ACT_CHUNK,

@@ -16,7 +16,6 @@ import torch
 
 SAMPLE_ROWS = 64  # tokens kept per linear: the first FIRST_ROWS (where massive activations sit), then spread
 FIRST_ROWS = 8
-BLOCK = 16
 
 
 def sample_rows(n: int, rows: int = SAMPLE_ROWS, first: int = FIRST_ROWS) -> torch.Tensor:
@@ -29,15 +28,11 @@ def sample_rows(n: int, rows: int = SAMPLE_ROWS, first: int = FIRST_ROWS) -> tor
 
 def sample_linear_inputs(model: torch.nn.Module, ids) -> dict:
     """{linear's qualified name: its inputs at sample_rows of the tokens [rows, K]} over one pass of `ids`
-    through `model` compiled with an unquantized pool (the fp32 model's activations; the HF model is
-    compiled in place, as every pagedkv pass over it is)."""
-    from toolkit.calibration import one_sequence_tables
-    from toolkit.compiler import compile
+    through `model` with an unquantized pool (toolkit.calibration.unquantized_pass)."""
+    from toolkit.calibration import unquantized_pass
 
-    ids = torch.as_tensor(ids, dtype=torch.int64)
-    nb = -(-ids.numel() // BLOCK)
-    ref = compile(model, "fp32", block_size=BLOCK, num_blocks=nb, max_seqs=1)
-    keep = sample_rows(ids.numel())
+    run = unquantized_pass(model, ids)
+    keep = sample_rows(len(ids))
     inputs: dict = {}
 
     def hook(name):
@@ -46,10 +41,8 @@ def sample_linear_inputs(model: torch.nn.Module, ids) -> dict:
         return record
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    pos = torch.arange(ids.numel())
     try:
-        with torch.no_grad():
-            ref(ids[None], pos, torch.zeros_like(pos), *one_sequence_tables(ref, nb))
+        run()
     finally:
         for h in handles:
             h.remove()

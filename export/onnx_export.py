@@ -277,7 +277,7 @@ def _blocks(w_t: np.ndarray, block_size: int) -> np.ndarray:
     return w_t.reshape(n, -1, block_size)
 
 
-def _grid_steps(x: np.ndarray, levels: int = 16, tol: float = 1e-3) -> np.ndarray:
+def grid_steps(x: np.ndarray, levels: int = 16, tol: float = 1e-3) -> np.ndarray:
     """Per block (rows of x [B, bs]): the step a of an affine grid lo + a*q (lo = the block's min,
     q integer in 0..levels-1) that holds every value to within tol*a, or NaN where none was found.
 
@@ -306,7 +306,7 @@ def pack_int4_affine(w: np.ndarray, block_size: int = 32) -> tuple[np.ndarray, n
     zero_points float32 [N*K/bs], number of exact blocks), with W[k, n] = scale * (q - zp) per block
     of block_size along K.
 
-    A block already on a 16-level affine grid (_grid_steps) is stored exactly (up to float32 rounding
+    A block already on a 16-level affine grid (grid_steps) is stored exactly (up to float32 rounding
     of scale*(q-zp)): scale = the step, zp = -min/step, codes = the grid indices. Any other block is
     asymmetric round-to-nearest: scale = (max-min)/15, zp = -min/scale. A constant block c is exact:
     q = 0, scale = |c| (1 for 0), zp = -c/scale. Low nibble = even k (ORT's order)."""
@@ -315,7 +315,7 @@ def pack_int4_affine(w: np.ndarray, block_size: int = 32) -> tuple[np.ndarray, n
     x = x.reshape(n * nb, bs)
     lo = x.min(axis=1)
     span = x.max(axis=1) - lo
-    step = _grid_steps(x)
+    step = grid_steps(x)
     exact = np.isfinite(step)
     const = span == 0
     scale = np.where(exact, step, span / 15)

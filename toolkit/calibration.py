@@ -92,19 +92,35 @@ def one_sequence_tables(paged, nb: int):
     return (torch.arange(nb, dtype=torch.int64)[None, :],) * len(paged.groups)
 
 
-def _reference(model, ids):
-    """(log-probs [n, vocab] of the unquantized pool over ids, the key offsets measured in the same pass)."""
+def unquantized_pass(model, ids):
+    """`model` compiled with an unquantized pool for one sequence of `ids` (the fp32 model's activations;
+    the HF model is compiled in place), and a call that runs ids through it: logits [n, vocab]. Compiled
+    here, run later: observers such as key_offsets.observing_keys are entered after compile()."""
     import torch
 
     from toolkit.compiler import compile
-    from toolkit.key_offsets import observing_keys
 
     ids = torch.as_tensor(ids, dtype=torch.int64)
     nb = -(-ids.numel() // BLOCK)
     ref = compile(model, "fp32", block_size=BLOCK, num_blocks=nb, max_seqs=1)
     pos = torch.arange(ids.numel())
-    with observing_keys(model) as keys, torch.no_grad():
-        logits = ref(ids[None], pos, torch.zeros_like(pos), *one_sequence_tables(ref, nb))[0].float()
+
+    def run():
+        with torch.no_grad():
+            return ref(ids[None], pos, torch.zeros_like(pos), *one_sequence_tables(ref, nb))[0]
+
+    return run
+
+
+def _reference(model, ids):
+    """(log-probs [n, vocab] of the unquantized pool over ids, the key offsets measured in the same pass)."""
+    import torch
+
+    from toolkit.key_offsets import observing_keys
+
+    run = unquantized_pass(model, ids)
+    with observing_keys(model) as keys:
+        logits = run().float()
     return torch.log_softmax(logits, -1), keys.offsets()
 
 
