@@ -67,14 +67,29 @@ def tiny_model(family: str, seed: int = 0, attn_implementation: str = "eager", n
     return model.eval()
 
 
-def tiny_bpe_tokenizer(lines: list[str], vocab_size: int = 512):
-    """A GPT-2 style byte-level BPE (ByteLevel pre-tokenizer + decoder) trained on `lines`, as a
-    transformers PreTrainedTokenizerFast with <pad>=0, <s>=1, </s>=2 like the tiny models' config."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+# The Split regexes of Qwen2's and Llama 3's tokenizer.json (byte-level BPE families the runner reads)
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = QWEN2_SPLIT.replace(r"\p{N}|", r"\p{N}{1,3}|", 1)
+
+
+def tiny_bpe_tokenizer(lines: list[str], vocab_size: int = 512, split: str | None = None, nfc: bool = False):
+    """A byte-level BPE (ByteLevel decoder) trained on `lines`, as a transformers PreTrainedTokenizerFast
+    with <pad>=0, <s>=1, </s>=2 like the tiny models' config. Pre-tokenizer: GPT-2's (ByteLevel with its
+    regex), or with `split` (QWEN2_SPLIT, LLAMA3_SPLIT) that Split regex then ByteLevel without one, as
+    Qwen2 and Llama 3 have it; nfc: an NFC normalizer (as HF's Qwen2 tokenizer.json has)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if nfc:
+        tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],

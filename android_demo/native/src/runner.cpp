@@ -978,6 +978,9 @@ std::vector<int32_t> Runner::chat(int conv, const std::string& user_text, int ma
     std::vector<int32_t> ids;
     try {
       ids = tokenizer_->encode(m.render(c.messages));
+    } catch (const std::invalid_argument& e) {  // text the tokenizer refuses (require_nfc)
+      c.messages.resize(n_messages);
+      throw RunnerError(ErrorCode::kArgument, e.what());
     } catch (...) {
       c.messages.resize(n_messages);
       throw;

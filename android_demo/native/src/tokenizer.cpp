@@ -43,6 +43,19 @@ bool is_space(uint32_t cp) {
          cp == 0x3000;
 }
 
+// Whether cp may change under NFC or take part in a composition (NFC_Quick_Check No/Maybe, or a
+// nonzero canonical combining class): text without such code points is already NFC.
+bool nfc_unstable(uint32_t cp) { return cp >= 0x300 && in_ranges(kNfcUnstableRanges, cp); }
+
+// The Split regexes this runner implements by hand (llama3_split): Qwen2's (one digit per piece) and
+// Llama 3's (up to three), exactly as HF tokenizer.json files spell them.
+const char* const kQwen2Pattern =
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+const char* const kLlama3Pattern =
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+
 struct Cp {
   uint32_t cp;
   size_t off, len;  // byte range in the text
@@ -58,6 +71,22 @@ std::vector<Cp> decode_utf8(const std::string& s) {
     i += n;
   }
   return out;
+}
+
+// This runner has no NFC tables: it refuses the (rare) text that NFC would change, so what it
+// tokenizes is what HF's NFC normalizer would give. Keyboards produce composed text already.
+void require_nfc(const std::string& text) {
+  for (size_t i = 0; i < text.size();) {
+    uint32_t cp;
+    i += next_utf8(text, i, &cp);
+    if (nfc_unstable(cp)) {
+      char hex[16];
+      std::snprintf(hex, sizeof hex, "U+%04X", cp);
+      throw std::invalid_argument(std::string("the text has ") + hex + ", which Unicode NFC normalization (this "
+                                  "tokenizer's normalizer) may change: normalize it to NFC first (java.text."
+                                  "Normalizer, Form.NFC; Python unicodedata.normalize('NFC', text))");
+    }
+  }
 }
 
 std::string read_file(const std::string& path) {
@@ -123,6 +152,79 @@ std::vector<std::string> gpt2_split(const std::string& text) {
   return out;
 }
 
+std::vector<std::string> llama3_split(const std::string& text, int max_digits) {
+  std::vector<Cp> cps = decode_utf8(text);
+  std::vector<std::string> out;
+  const size_t n = cps.size();
+  auto piece = [&](size_t a, size_t b) {  // code points [a, b)
+    out.push_back(text.substr(cps[a].off, cps[b - 1].off + cps[b - 1].len - cps[a].off));
+  };
+  auto at = [&](size_t k) { return k < n ? cps[k].cp : 0xFFFFFFFFu; };  // past the end: matches no class
+  auto newline = [](uint32_t c) { return c == '\r' || c == '\n'; };
+  auto other = [](uint32_t c) { return c != 0xFFFFFFFFu && !is_space(c) && !is_letter(c) && !is_number(c); };
+  auto letter = [](uint32_t c) { return c != 0xFFFFFFFFu && is_letter(c); };
+  auto lower = [](uint32_t c) { return c < 0x80 ? (c | 0x20) : c; };
+  size_t i = 0;
+  while (i < n) {
+    const uint32_t c = cps[i].cp;
+    // (?i:'s|'t|'re|'ve|'m|'ll|'d): case-insensitive as Unicode simple case folding has it ('s: also U+017F)
+    if (c == '\'' && i + 1 < n) {
+      const uint32_t a = lower(at(i + 1)), b = lower(at(i + 2));
+      size_t len = 0;
+      if (a == 's' || a == 0x17F || a == 't' || a == 'm' || a == 'd') len = 2;
+      else if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l')) len = 3;
+      if (len) {
+        piece(i, i + len);
+        i += len;
+        continue;
+      }
+    }
+    // [^\r\n\p{L}\p{N}]?\p{L}+
+    {
+      size_t j = i;
+      if (!newline(c) && !is_letter(c) && !is_number(c) && letter(at(i + 1))) j = i + 1;
+      if (letter(at(j))) {
+        size_t k = j;
+        while (letter(at(k))) ++k;
+        piece(i, k);
+        i = k;
+        continue;
+      }
+    }
+    // \p{N}{1,max_digits}
+    if (is_number(c)) {
+      size_t k = i;
+      while (k < n && k - i < static_cast<size_t>(max_digits) && is_number(cps[k].cp)) ++k;
+      piece(i, k);
+      i = k;
+      continue;
+    }
+    // ' '?[^\s\p{L}\p{N}]+[\r\n]*
+    {
+      const size_t j = c == ' ' && other(at(i + 1)) ? i + 1 : i;
+      if (other(at(j))) {
+        size_t k = j;
+        while (other(at(k))) ++k;
+        while (k < n && newline(cps[k].cp)) ++k;
+        piece(i, k);
+        i = k;
+        continue;
+      }
+    }
+    // what is left starts with white space: \s*[\r\n]+ | \s+(?!\S) | \s+
+    size_t k = i, last_newline = n;
+    while (k < n && is_space(cps[k].cp)) {
+      if (newline(cps[k].cp)) last_newline = k;
+      ++k;
+    }
+    if (last_newline < n) k = last_newline + 1;       // \s*[\r\n]+ ends after the run's last newline
+    else if (k < n && k - i >= 2) k -= 1;              // \s+(?!\S): leave the last space to the next piece
+    piece(i, k);
+    i = k;
+  }
+  return out;
+}
+
 Tokenizer Tokenizer::from_file(const std::string& path) {
   Json j;
   try {
@@ -159,14 +261,33 @@ Tokenizer Tokenizer::from_json(const Json& j) {
   const std::string pre_t = type_of(pre), dec_t = type_of(dec), norm_t = type_of(norm);
   t.byte_level_ = pre_t == "ByteLevel" || dec_t == "ByteLevel" || (pre_t.empty() && dec_t.empty() && norm_t.empty());
   if (t.byte_level_) {
-    if (!pre_t.empty() && pre_t != "ByteLevel") throw unsupported("pre_tokenizer", pre_t);
     if (!dec_t.empty() && dec_t != "ByteLevel") throw unsupported("decoder", dec_t);
-    if (!norm_t.empty())
+    if (norm_t == "NFC") t.nfc_ = true;
+    else if (!norm_t.empty())
       throw std::runtime_error("tokenizer.json has a normalizer (" + norm_t +
-                               ") with a ByteLevel tokenizer: not supported by this runner");
-    if (!pre_t.empty()) {
-      if (const Json* r = pre->find("use_regex")) t.use_regex_ = r->as_bool();
-      if (const Json* a = pre->find("add_prefix_space")) t.add_prefix_space_ = a->as_bool();
+                               ") with a ByteLevel tokenizer: not supported by this runner (NFC only)");
+    const Json* byte_level = pre_t == "ByteLevel" ? pre : nullptr;
+    if (pre_t == "Sequence") {  // Split on a known regex, then ByteLevel without its own regex
+      const auto& steps = (*pre)["pretokenizers"].items();
+      if (steps.size() != 2 || type_of(&steps[0]) != "Split" || type_of(&steps[1]) != "ByteLevel")
+        throw unsupported("pre_tokenizer", "Sequence other than [Split, ByteLevel]");
+      const Json& split = steps[0];
+      const Json* regex = split["pattern"].find("Regex");
+      if (!regex || split["behavior"].as_string() != "Isolated" || (split.has("invert") && split["invert"].as_bool()))
+        throw unsupported("pre_tokenizer", "Split other than an Isolated regex");
+      if (regex->as_string() == kQwen2Pattern) t.split_ = Split::kQwen2;
+      else if (regex->as_string() == kLlama3Pattern) t.split_ = Split::kLlama3;
+      else throw unsupported("pre_tokenizer", "Split regex " + regex->as_string());
+      byte_level = &steps[1];
+      if (const Json* r = byte_level->find("use_regex"); r && r->as_bool())
+        throw unsupported("pre_tokenizer", "ByteLevel with its regex after a Split");
+    } else if (!pre_t.empty() && !byte_level) {
+      throw unsupported("pre_tokenizer", pre_t);
+    }
+    if (byte_level) {
+      if (const Json* r = byte_level->find("use_regex"); r && !r->as_bool() && t.split_ == Split::kGpt2)
+        t.split_ = Split::kNone;
+      if (const Json* a = byte_level->find("add_prefix_space")) t.add_prefix_space_ = a->as_bool();
     }
   } else {
     if (norm_t == "Replace") {
@@ -413,11 +534,18 @@ void Tokenizer::encode_plain(const std::string& text, std::vector<int32_t>& out)
     if (a < t.size()) bpe_word(t.substr(a), out);
     return;
   }
+  if (nfc_) require_nfc(t);
   if (add_prefix_space_ && t[0] != ' ') t.insert(t.begin(), ' ');
-  if (use_regex_) {
-    for (const std::string& w : gpt2_split(t)) bpe_word(w, out);
-  } else {
-    bpe_word(t, out);
+  switch (split_) {
+    case Split::kGpt2:
+      for (const std::string& w : gpt2_split(t)) bpe_word(w, out);
+      break;
+    case Split::kQwen2:
+    case Split::kLlama3:
+      for (const std::string& w : llama3_split(t, split_ == Split::kQwen2 ? 1 : 3)) bpe_word(w, out);
+      break;
+    case Split::kNone:
+      bpe_word(t, out);
   }
 }
 

@@ -1,6 +1,8 @@
 // BPE tokenizer for HuggingFace tokenizer.json files, added tokens split out first. Two kinds:
-//  - byte-level (GPT-2 / SmolLM2 / Llama-3 style): ByteLevel pre-tokenizer with the GPT-2 split regex,
-//    ByteLevel decoder, symbols are the bytes mapped to printable code points;
+//  - byte-level (GPT-2 / SmolLM2 / Qwen2 / Llama-3 style): ByteLevel pre-tokenizer with the GPT-2 split
+//    regex, or a Split on Qwen2's / Llama 3's regex then ByteLevel; an NFC normalizer (text NFC would
+//    change is refused: no NFC tables here); ByteLevel decoder; symbols are the bytes mapped to
+//    printable code points;
 //  - SentencePiece-style (Gemma): Replace normalizers (" " -> "\u2581"), an optional Split pre-tokenizer
 //    on a string, symbols are code points, a code point missing from the vocab becomes its UTF-8 bytes'
 //    <0xHH> tokens (byte_fallback), decoder Replace / ByteFallback / Fuse.
@@ -53,7 +55,9 @@ class Tokenizer {
   bool byte_fallback_ = false;
   int32_t unk_id_ = -1;
   std::vector<std::pair<std::string, std::string>> decode_replace_;  // decoder Replace steps
-  bool use_regex_ = true;
+  enum class Split { kNone, kGpt2, kQwen2, kLlama3 };  // the byte-level pre-tokenizer's regex
+  Split split_ = Split::kGpt2;
+  bool nfc_ = false;  // NFC normalizer: text NFC could change is refused (require_nfc)
   bool add_prefix_space_ = false;
   bool ignore_merges_ = false;
   std::string byte_to_mapped_[256];
@@ -68,6 +72,11 @@ class Tokenizer {
 // Splits text with the GPT-2 pre-tokenizer regex
 // 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
 std::vector<std::string> gpt2_split(const std::string& text);
+
+// Splits text with the Llama 3 / Qwen2 Split regex (max_digits 3 / 1):
+// (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,max_digits}| ?[^\s\p{L}\p{N}]+[\r\n]*|
+// \s*[\r\n]+|\s+(?!\S)|\s+
+std::vector<std::string> llama3_split(const std::string& text, int max_digits);
 
 // Turns a stream of token ids into text pieces that are whole UTF-8 characters.
 class TokenStreamer {

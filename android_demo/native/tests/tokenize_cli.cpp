@@ -1,5 +1,6 @@
 // Host test helper: tokenizes each line of a file (escaped with \n for embedded newlines) and prints
-// one line of space-separated ids per input line; with --decode prints the round trip instead.
+// one line of space-separated ids per input line (REFUSED: text the tokenizer refuses, e.g. not NFC);
+// with --decode prints the round trip instead.
 //   tokenize_cli TOKENIZER_JSON LINES_FILE [--decode]   (ids with the special tokens the post-processor adds,
 //   e.g. Gemma's BOS; --decode round-trips the ids without them)
 #include <fstream>
@@ -28,11 +29,17 @@ int main(int argc, char** argv) {
           text += line[i];
         }
       }
-      if (decode) {  // without the post-processor's tokens (a BOS is not in the text)
-        std::cout << (tok.decode(tok.encode(text, false)) == text ? "OK" : "MISMATCH") << "\n";
+      std::vector<int32_t> ids;
+      try {
+        ids = tok.encode(text, !decode);  // --decode: without the post-processor's tokens (no BOS in the text)
+      } catch (const std::invalid_argument&) {
+        std::cout << "REFUSED\n";
         continue;
       }
-      auto ids = tok.encode(text);
+      if (decode) {
+        std::cout << (tok.decode(ids) == text ? "OK" : "MISMATCH") << "\n";
+        continue;
+      }
       for (size_t i = 0; i < ids.size(); ++i) std::cout << (i ? " " : "") << ids[i];
       std::cout << "\n";
     }
