@@ -182,3 +182,17 @@ def test_export_without_spec_chooses_by_calibration_kld(tmp_path):
         want = "default" if got["default"] <= DEFAULT_PREFERRED_KLD else min(got, key=got.get)
         assert layout_from_manifest(m).spec == PRESETS[want]
         assert m["calibration"]["fidelity"]["pool"]["kld"] == got[want]
+
+
+def test_manifest_records_the_export_stages(tiny_llama_onnx_pte):
+    """Each artifact's stages and the export's own (calibration, ...) are in pagedkv.json: a name, seconds
+    and the process's resident and peak bytes when the stage ended (export/stages.py)."""
+    manifest = json.loads((tiny_llama_onnx_pte / "pagedkv.json").read_text())
+    pte = [r["stage"] for r in manifest["artifacts"]["pte"]["stages"]]
+    assert pte[:1] == ["torch.export"] and "to_edge and XNNPACK lowering" in pte and pte[-1] == "serializing"
+    assert manifest["artifacts"]["onnx"]["stages"]
+    assert [r["stage"] for r in manifest["export_stages"]][:1] == ["calibration"]
+    rows = manifest["export_stages"] + manifest["artifacts"]["pte"]["stages"] + manifest["artifacts"]["onnx"]["stages"]
+    for row in rows:
+        assert set(row) == {"stage", "seconds", "rss_bytes", "peak_rss_bytes"}, row
+        assert row["seconds"] >= 0 and 0 < row["rss_bytes"] <= row["peak_rss_bytes"], row

@@ -152,3 +152,25 @@ def test_calibration_inputs_choose_int8_where_int4_cancels():
         info = _quantize_asym4(m, inputs={"on": x, "off": x})
         assert (type(m.on) is ChunkedLinear) == want8 and isinstance(m.off, AsymInt4Linear), info
         assert info["int8_linears"] == int(want8)
+
+
+def test_float_tensors_get_their_own_memory():
+    """After quantization the plain tensors left (norms, biases) are copied out of the memory they were
+    loaded into (a safetensors memory map: its pages stay resident while any tensor of it lives); the
+    values stay, quantized weights are left as they are."""
+    from export.executorch_export import _own_float_tensors, _quantize_asym4
+
+    loaded = torch.randn(4096)  # stands in for the file's map: every tensor below is a view of it
+    m = TwoLinears(loaded[:16 * 64].view(16, 64), q4_1_weight(16, 64))
+    m.norm = torch.nn.Parameter(loaded[2048:2112], requires_grad=False)
+    m.register_buffer("table", loaded[3000:3010])
+    _quantize_asym4(m)
+    quantized = {id(p) for p in m.parameters() if type(p) not in (torch.Tensor, torch.nn.Parameter)}
+    copied = _own_float_tensors(m)
+    assert copied >= (64 + 10) * 4
+    base = loaded.untyped_storage().data_ptr()
+    for t in list(m.parameters()) + list(m.buffers()):
+        if type(t) in (torch.Tensor, torch.nn.Parameter):
+            assert t.untyped_storage().data_ptr() != base
+    assert torch.equal(m.norm, loaded[2048:2112]) and torch.equal(m.table, loaded[3000:3010])
+    assert quantized <= {id(p) for p in m.parameters()}
