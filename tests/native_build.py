@@ -20,7 +20,7 @@ NATIVE = REPO / "android_demo" / "native"
 CI = NATIVE / "ci_build.sh"
 HOST = REPO / "build" / "android-host"
 AARCH64 = REPO / "build" / "android-aarch64"
-APT = "apt-get install -y cmake g++ openjdk-17-jdk-headless clang lld g++-aarch64-linux-gnu qemu-user-static adb"
+APT = "apt-get install -y cmake g++ nlohmann-json3-dev openjdk-17-jdk-headless clang lld g++-aarch64-linux-gnu qemu-user-static adb"
 
 sys.path.insert(0, str(NATIVE / "tests"))  # make_fixtures.py
 

@@ -151,6 +151,44 @@ def test_runner_on_host(host_build, fixtures, tmp_path):
     assert got == [c["hf_greedy"] for c in expected(fixtures)]
 
 
+def _deep(n: int) -> bytes:
+    return b"[" * n + b"]" * n
+
+
+# (file, damage, needle): hostile JSON the runner reads (src/json.cpp over nlohmann/json)
+HOSTILE_JSON = {
+    "manifest-truncated": ("pagedkv.json", lambda b: b[: len(b) // 2],
+                           "pagedkv.json is not valid JSON (invalid JSON at offset"),
+    "manifest-nan": ("pagedkv.json", lambda b: b'{"format_version": NaN}',
+                     "invalid JSON at offset 19 (line 1, column 20)"),
+    "manifest-deep": ("pagedkv.json", lambda b: _deep(100000), "nested deeper than 256 arrays/objects"),
+    "manifest-unclosed": ("pagedkv.json", lambda b: b"[" * 100000, "nested deeper than 256 arrays/objects"),
+    "manifest-huge-int": ("pagedkv.json", lambda b: b.replace(b'"num_blocks": ', b'"num_blocks": 1e30, "x": ', 1),
+                          "JSON number 1e+30 does not fit a 64-bit integer"),
+    "tokenizer-truncated": ("tokenizer.json", lambda b: b[: len(b) // 2], "tokenizer.json: invalid JSON at offset"),
+    "tokenizer-deep": ("tokenizer.json", lambda b: b'{"model": ' + _deep(100000) + b"}", "nested deeper than 256"),
+    "tokenizer-bad-utf8": ("tokenizer.json", lambda b: b.replace(b'"model"', b'"mo\xffdel"', 1), "ill-formed UTF-8"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_JSON))
+def test_runner_hostile_json_is_one_line(host_build, fixtures, tmp_path, name):
+    """A damaged manifest or tokenizer.json through pagedkv-runner: exit 2 and one line naming the file and
+    where (no crash, no stack overflow on 100000 nested '[')."""
+    import shutil
+
+    file, damage, needle = HOSTILE_JSON[name]
+    art = tmp_path / "artifacts"
+    shutil.copytree(fixtures / "artifacts", art)
+    (art / file).write_bytes(damage((art / file).read_bytes()))
+    (tmp_path / "prompt.txt").write_text("hello", encoding="utf-8")
+    p = subprocess.run([str(host_build / "pagedkv-runner"), str(art), "--prompt-file", str(tmp_path / "prompt.txt"),
+                        "--ctx", "2", "--decode", "1", "--threads", "1"], capture_output=True, text=True, timeout=600)
+    err = [ln for ln in p.stderr.splitlines() if ln.startswith("pagedkv-runner:")]
+    assert p.returncode == 2 and len(err) == 1 and needle in err[0] and file in err[0], p.stderr[-3000:]
+    assert len(err[0]) < 600, err[0]
+
+
 def test_runner_equals_runtime_sim(host_build, fixtures, tmp_path):
     """Same .pte through runtime_sim's engine (ExecuTorch pybindings + the pagedkv kernel library)."""
     from toolkit.manifest import layout_from_manifest, read_manifest
@@ -206,8 +244,8 @@ def test_aarch64_under_qemu(fixtures):
         link = (cross / "CMakeFiles" / f"{name[3:-3]}.dir" / "link.txt").read_text()
         assert "--no-undefined" in link and "max-page-size=16384" in link, link
     out = run(["bash", CI, "test-cross", fixtures], timeout=1800)
-    results = summary(out)
-    assert len(results) == 4 and all(f == 0 for _, f in results), out[-4000:]
+    results = summary(out)  # json_test once, then block_manager_test and runner_test per CPU
+    assert len(results) == 5 and all(f == 0 for _, f in results), out[-4000:]
     assert "isa neon-dotprod" in out and "isa neon\n" in out.replace("isa neon-dotprod", "")
     # the kernel core's tests (every path vs scalar): the sdot path under -cpu max, plain NEON on the A53
     assert out.count("all pagedkv core tests passed") == 2, out[-4000:]

@@ -7,9 +7,10 @@
 #   android_demo/native/ci_build.sh test-host FIXTURES   run the host tests on FIXTURES (make_fixtures.py)
 #   android_demo/native/ci_build.sh test-cross FIXTURES  run the aarch64 tests under qemu, -cpu max and cortex-a53
 #
-# Needs: cmake >= 3.20, g++, a JDK (javac/java); for cross: clang, lld, g++-aarch64-linux-gnu (the aarch64
-# glibc and libstdc++ clang links against), qemu-user-static and
-# the aarch64 executorch 1.5.1 wheel (downloaded with pip into build/aarch64-wheel, unzipped once).
+# Needs: cmake >= 3.20, g++, nlohmann/json's headers (nlohmann-json3-dev; cmake says so when missing), a JDK
+# (javac/java); for cross: clang, lld, g++-aarch64-linux-gnu (the aarch64 glibc and libstdc++ clang links
+# against), qemu-user-static and the aarch64 executorch 1.5.1 wheel (downloaded with pip into
+# build/aarch64-wheel, unzipped once).
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
@@ -17,7 +18,7 @@ PY="${PAGEDKV_PYTHON:-$REPO/.venv/bin/python}"
 CMAKE="${CMAKE:-$(command -v /usr/bin/cmake || command -v cmake)}"
 JOBS="${JOBS:-$(nproc)}"
 ET_VERSION=1.5.1
-APT_LINE="apt-get install -y cmake g++ openjdk-17-jdk-headless clang lld g++-aarch64-linux-gnu qemu-user-static adb"
+APT_LINE="apt-get install -y cmake g++ nlohmann-json3-dev openjdk-17-jdk-headless clang lld g++-aarch64-linux-gnu qemu-user-static adb"
 
 need() {
   for tool in "$@"; do
@@ -79,6 +80,7 @@ case "${1:-}" in
   test-host)
     B="$REPO/build/android-host"
     "$B/kernel_core_test"
+    "$B/json_test"
     "$B/block_manager_test"
     "$B/runner_test" "$2" "${@:3}"
     ;;
@@ -87,6 +89,7 @@ case "${1:-}" in
     ET_ROOT="$(aarch64_executorch)"
     export QEMU_LD_PREFIX=/usr/aarch64-linux-gnu
     export LD_LIBRARY_PATH="$ET_ROOT/lib:$B"
+    qemu-aarch64-static -cpu max "$B/json_test"
     for cpu in max cortex-a53; do
       want=neon-dotprod; [ "$cpu" = cortex-a53 ] && want=neon
       echo "== qemu-aarch64-static -cpu $cpu (expects the $want kernel path)"

@@ -1,5 +1,5 @@
-// Minimal JSON reader (RFC 8259) for pagedkv.json and tokenizer.json. Values are immutable after
-// parsing; objects keep key order. No dependencies.
+// An accessor layer over nlohmann/json: Json::parse runs nlohmann's parser (RFC 8259, strict) and keeps an
+// immutable tree whose lookups throw messages naming the missing key; objects keep key order.
 #pragma once
 
 #include <cstdint>
@@ -14,7 +14,9 @@ class Json {
  public:
   enum class Type { kNull, kBool, kNumber, kString, kArray, kObject };
 
-  // Parses text; throws std::runtime_error("...at offset N") on malformed input.
+  // Parses text; throws std::runtime_error("invalid JSON at offset N (line L, column C): ...") on malformed
+  // input, and on nesting deeper than 256 arrays/objects. A key given twice: the last value wins, at the
+  // key's first position (as Python's json.loads).
   static Json parse(const std::string& text);
 
   Type type() const { return type_; }
@@ -25,7 +27,9 @@ class Json {
   bool is_number() const { return type_ == Type::kNumber; }
 
   bool as_bool() const;
-  double as_number() const;
+  double as_number() const;  // the literal as a double (correctly rounded)
+  // An integer literal exactly (within int64), a fraction truncated toward zero; throws for a value
+  // outside int64 (2^63, 1e30). A literal beyond double (1e999) does not parse.
   int64_t as_int() const;
   const std::string& as_string() const;
   const std::vector<Json>& items() const;                            // array
@@ -41,7 +45,9 @@ class Json {
   friend class JsonParser;
   Type type_ = Type::kNull;
   bool b_ = false;
+  bool int_exact_ = false;  // an integer literal that fits int64: int_ holds it
   double num_ = 0;
+  int64_t int_ = 0;
   std::string str_;
   std::vector<Json> arr_;
   std::vector<std::pair<std::string, Json>> obj_;
