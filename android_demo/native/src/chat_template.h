@@ -10,6 +10,8 @@
 // first, last, default(x), string; tests string, mapping, iterable, sequence, defined, undefined, none,
 // number; operators or and not == != < > <= >= in, not in, + - * / // % ~, if-else expressions.
 // Anything else is a TemplateError naming it, never a wrong rendering.
+// Not minja: offline it exists only vendored in llama-cpp-python 0.3.16 (0.3.36 dropped it), needs RTTI
+// and a std::regex lexer, and renders none/undefined alike where jinja2 (our reference) does not.
 #pragma once
 
 #include <cstdint>

@@ -8,6 +8,8 @@
 //    <0xHH> tokens (byte_fallback), decoder Replace / ByteFallback / Fuse.
 // Merges: the lowest-ranked adjacent pair first, leftmost among equals (a heap, so a long word is
 // O(n log n)). Written for pagedkv; no third-party code.
+// Not pytorch-tokenizers: its one PyPI release with C++ sources (1.0.1) links sentencepiece, RE2 and abseil
+// and re-applies GPT-2's regex after Qwen2's Split (no use_regex) and has no byte_fallback (Gemma 3).
 #pragma once
 
 #include <cstdint>
