@@ -32,22 +32,47 @@ void append_utf8(std::string& out, uint32_t cp) {
 
 size_t next_utf8(const std::string& s, size_t i, uint32_t* cp) {
   const unsigned char c = static_cast<unsigned char>(s[i]);
-  const size_t n = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
-  if (n == 0 || i + n > s.size()) {
-    *cp = 0xFFFD;
+  if (c < 0x80) {
+    *cp = c;
     return 1;
   }
-  uint32_t v = n == 1 ? c : c & (0x7F >> n);
+  // the well-formed sequences (Unicode table 3-7): the length and the range of the second byte by the
+  // lead byte; overlong forms, surrogates and code points above U+10FFFF have no valid lead/second pair
+  size_t n = 0;
+  unsigned char lo = 0x80, hi = 0xBF;
+  if (c >= 0xC2 && c <= 0xDF) {
+    n = 2;
+  } else if (c >= 0xE0 && c <= 0xEF) {
+    n = 3;
+    lo = c == 0xE0 ? 0xA0 : 0x80;
+    hi = c == 0xED ? 0x9F : 0xBF;
+  } else if (c >= 0xF0 && c <= 0xF4) {
+    n = 4;
+    lo = c == 0xF0 ? 0x90 : 0x80;
+    hi = c == 0xF4 ? 0x8F : 0xBF;
+  }
+  *cp = 0xFFFD;
+  if (n == 0) return 1;
+  uint32_t v = c & (0x7F >> n);
   for (size_t k = 1; k < n; ++k) {
+    if (i + k >= s.size()) return k;  // truncated: the valid prefix is one U+FFFD
     const unsigned char cc = static_cast<unsigned char>(s[i + k]);
-    if ((cc & 0xC0) != 0x80) {
-      *cp = 0xFFFD;
-      return 1;
-    }
+    if (cc < (k == 1 ? lo : 0x80) || cc > (k == 1 ? hi : 0xBF)) return k;
     v = (v << 6) | (cc & 0x3F);
   }
   *cp = v;
   return n;
+}
+
+std::string utf8_lossy(const std::string& s) {
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size();) {
+    uint32_t cp;
+    i += next_utf8(s, i, &cp);
+    append_utf8(out, cp);
+  }
+  return out;
 }
 
 namespace {

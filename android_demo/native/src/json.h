@@ -57,8 +57,13 @@ class Json {
 // Appends the UTF-8 encoding of code point cp.
 void append_utf8(std::string& out, uint32_t cp);
 
-// Decodes the code point starting at byte i of s into *cp and returns its byte length; an invalid
-// byte (bad lead byte, truncated or broken sequence) decodes as U+FFFD with length 1.
+// Decodes the code point starting at byte i of s into *cp and returns its byte length. Bytes that are
+// not well-formed UTF-8 (a bad lead byte, an overlong form, a surrogate, a truncated or broken
+// sequence) decode as U+FFFD, one for each maximal invalid prefix, as Python's errors="replace" and
+// Rust's from_utf8_lossy (HF tokenizers' decode) do.
 size_t next_utf8(const std::string& s, size_t i, uint32_t* cp);
+
+// s with every invalid sequence replaced by U+FFFD (next_utf8): text that JSON parsers accept.
+std::string utf8_lossy(const std::string& s);
 
 }  // namespace pagedkv_rt

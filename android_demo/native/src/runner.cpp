@@ -959,7 +959,7 @@ std::string Runner::render_chat(int conv, const std::string& user_text) const {
     std::lock_guard<std::mutex> g(impl_->mu);
     msgs = impl_->conv(conv).messages;
   }
-  msgs.emplace_back("user", user_text);
+  msgs.emplace_back("user", utf8_lossy(user_text));
   return impl_->render(msgs);
 }
 
@@ -973,7 +973,7 @@ std::vector<int32_t> Runner::chat(int conv, const std::string& user_text, int ma
     std::lock_guard<std::mutex> g(m.mu);
     Impl::Conv& c = m.resident(conv);  // a spilled conversation is mapped back first
     n_messages = c.messages.size();
-    c.messages.emplace_back("user", user_text);
+    c.messages.emplace_back("user", utf8_lossy(user_text));  // messages are text (a conversation file's JSON)
     before = {c.history, c.pending, c.seq};
     std::vector<int32_t> ids;
     try {
@@ -1002,7 +1002,8 @@ std::vector<int32_t> Runner::chat(int conv, const std::string& user_text, int ma
     std::vector<int32_t> reply(out);
     if (!reply.empty() && std::find(stop_ids_.begin(), stop_ids_.end(), reply.back()) != stop_ids_.end()) reply.pop_back();
     std::lock_guard<std::mutex> g(m.mu);
-    m.conv(conv).messages.emplace_back("assistant", tokenizer_->decode(reply, true));
+    // the reply as text, as HF's decode gives it: a byte token cut mid-character is U+FFFD
+    m.conv(conv).messages.emplace_back("assistant", utf8_lossy(tokenizer_->decode(reply, true)));
     return out;
   } catch (...) {
     std::lock_guard<std::mutex> g(m.mu);

@@ -171,5 +171,29 @@ int main() {
     CHECK(v.size() == 200000 && v.members()[199999].first == "t199999" && v["t12345"].as_int() == 12345);
   });
 
+  s.run("utf8_lossy_replaces_as_python_does", [] {
+    // expected: bytes.decode("utf-8", errors="replace") (one U+FFFD per maximal invalid prefix)
+    const std::string R = "\xEF\xBF\xBD";
+    const std::pair<std::string, std::string> cases[] = {
+        {"ab", "ab"},
+        {"\xE2\x82\xAC", "\xE2\x82\xAC"},             // the euro sign
+        {"\xE2\x82", R},                                // truncated
+        {"\xE2\x82x", R + "x"},                         // broken
+        {"\xC0\xAF", R + R},                            // overlong
+        {"\xED\xA0\x80", R + R + R},                     // a surrogate
+        {"\xF4\x90\x80\x80", R + R + R + R},              // above U+10FFFF
+        {"\xF0\x9F\x98", R},                            // an emoji cut short (a byte token mid-character)
+        {"\xF0\x9F\x98\x80", "\xF0\x9F\x98\x80"},
+        {"\x80\x80", R + R},
+        {"\xE0\x9F\x80", R + R + R},
+        {R, R},
+        {"\xFF", R},
+    };
+    for (const auto& [in, want] : cases) {
+      CHECK(utf8_lossy(in) == want);
+      CHECK(Json::parse("\"" + utf8_lossy(in) + "\"").as_string() == want);  // what a conversation file stores
+    }
+  });
+
   return s.finish();
 }

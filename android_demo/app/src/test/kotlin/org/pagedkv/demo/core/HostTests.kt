@@ -287,7 +287,8 @@ fun saveRestoreTests(fixtures: File) {
     waitIdle(b)
     val st = b.stats!!
     check(b.ready && st.usedBlocks == used && st.prefillTokens == 0L && "Restored the saved chat" in b.transcript.render(),
-        "start restores the saved chat without prefill (${st.usedBlocks} of $used blocks, ${st.prefillTokens} prefilled)")
+        "start restores the saved chat without prefill (${st.usedBlocks} of $used blocks, ${st.prefillTokens} prefilled; " +
+            "notes: ${b.transcript.render().lines().filter { it.startsWith("[") }.joinToString(" ")})")
     val next = b.send("and again") { roomy }!!
     waitDone(b, next)
     b.refreshStats()
