@@ -415,29 +415,52 @@ def whole_process_estimate(art_dir, pool_bytes: int | None = None, runtime: str 
     import json
 
     art = Path(art_dir)
+    fix = "pass an artifacts dir made by `pagedkv export` (or export it again)"
     try:
         manifest = json.loads((art / "pagedkv.json").read_text())
         manifest["model"], manifest["pool"]  # noqa: B018
-    except (OSError, ValueError, KeyError) as e:
-        raise ArtifactError(f"{art} has no valid pagedkv.json ({e}): pass an artifacts dir made by `pagedkv export`.") \
-            from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ArtifactError(f"{art} has no valid pagedkv.json ({e}): {fix}.") from None
     fmt = "pte" if runtime == "runner" else "onnx"
     entry = manifest.get("artifacts", {}).get(fmt)
     if entry is None:
         raise ArtifactError(f"{art} has no {fmt} artifact: export it with `pagedkv export --format {fmt}`.")
-    weights = sum(p.stat().st_size for p in art.iterdir() if p.name.startswith(Path(entry["file"]).stem + ".")
-                  and p.suffix != ".json")
-    total_pool = int(manifest["pool"]["total_bytes"])
+    try:  # hostile manifests: every number is checked to be a non-negative integer
+        stem = Path(str(entry["file"])).stem
+        total_pool = _count(manifest["pool"]["total_bytes"])
+        if fmt == "pte":
+            activations = _count(entry["arena_bytes"][0])
+        else:
+            chunk = _count(entry.get("max_tokens_per_call", PLAN_CHUNK))
+            activations = 3 * chunk * _count(manifest["model"]["vocab_size"]) * 4  # logits + two temporaries
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise ArtifactError(f"{art}/pagedkv.json lacks or garbles a field the memory estimate reads ({e!r}): {fix}.") \
+            from None
+    weights = sum(p.stat().st_size for p in art.iterdir() if p.name.startswith(stem + ".") and p.suffix != ".json")
     pool = total_pool if pool_bytes is None else min(int(pool_bytes), total_pool)
-    if fmt == "pte":
-        activations = int(entry["arena_bytes"][0])
-    else:
-        chunk = int(entry.get("max_tokens_per_call", PLAN_CHUNK))
-        activations = 3 * chunk * int(manifest["model"]["vocab_size"]) * 4  # logits + two temporaries
     base = RUNTIME_BASE_BYTES[runtime]
     return {"runtime": runtime, "weights_bytes": weights, "pool_bytes": pool, "activations_bytes": activations,
             "runtime_bytes": base, "total_bytes": weights + pool + activations + base,
             "weights": entry.get("weights", "fp32")}
+
+
+def _count(value) -> int:
+    """A manifest's byte or token count: a non-negative integer (not a bool, float or string)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{value!r} is not a count")
+    return value
+
+
+def pool_tokens_within(art_dir, ram_bytes: int, runtime: str = "runner") -> int:
+    """The most pool tokens (whole blocks) an export of this model could hold with the whole process
+    (whole_process_estimate) in ram_bytes: what `pagedkv export --pool-tokens` should be for a phone
+    with that much memory for the app; 0 when the weights, activations and runtime alone take it."""
+    from toolkit.manifest import layout_from_manifest, read_manifest
+
+    layout = layout_from_manifest(read_manifest(Path(art_dir), require=("pool",)))  # validated pool dims
+    est = whole_process_estimate(art_dir, runtime=runtime)
+    room = ram_bytes - (est["total_bytes"] - est["pool_bytes"]) - layout.fixed_bytes
+    return max(room // layout.bytes_per_token // layout.block_size * layout.block_size, 0)
 
 
 def print_process_estimate(est: dict, console) -> None:

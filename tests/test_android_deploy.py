@@ -236,3 +236,80 @@ def test_shell_words_reach_the_device_shell_literally(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, check=True).stdout
     assert out == f"{HOSTILE}|$(touch pwned)|a'b|"
     assert not (tmp_path / "pwned").exists()
+
+
+# ---- the memory the app will need (`pagedkv deploy --ram`) -------------------------------------------
+
+def artifacts_with_pool(path, num_blocks=64, arena=50_000):
+    """make_artifacts with the model, pool and .pte fields a real export writes (what the estimate reads):
+    a tiny llama's pool (2 layers, 2 KV heads x 64, the default spec, blocks of 16)."""
+    from toolkit.kv_spec import resolve_spec
+    from toolkit.pool_layout import PoolLayout
+
+    art = make_artifacts(path)
+    man = json.loads((art / MANIFEST_NAME).read_text())
+    layout = PoolLayout(spec=resolve_spec("default"), num_layers=2, num_kv_heads=2, head_dim=64, block_size=16,
+                        num_blocks=num_blocks, max_seqs=1)
+    man["model"] = {"name": "tiny", "model_type": "llama", "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                    "head_dim": 64, "vocab_size": 512}
+    man["pool"] = layout.to_dict()
+    man["artifacts"]["pte"].update(arena_bytes=[arena, layout.total_bytes], max_logits_rows=1)
+    write_manifest(art, man)
+    return art, layout
+
+
+def test_cli_deploy_prints_the_memory_and_refuses_a_pool_that_does_not_fit(tmp_path, fake_adb):
+    from typer.testing import CliRunner
+
+    from runtime_sim.plan import RUNTIME_BASE_BYTES, whole_process_estimate
+    from toolkit.cli import app
+
+    art, layout = artifacts_with_pool(tmp_path / "a")
+    need = whole_process_estimate(art)
+    pte = (art / "model.pte").stat().st_size
+    assert need["total_bytes"] == pte + layout.total_bytes + 50_000 + RUNTIME_BASE_BYTES["runner"]
+    block = layout.block_size * layout.bytes_per_token
+    runner = CliRunner()
+    # too little memory: one line naming the need and a --pool-tokens that fits, and the phone untouched
+    ram = need["total_bytes"] - 20 * block - 1  # 20 blocks short, and one byte
+    res = runner.invoke(app, ["deploy", str(art), "--ram", str(ram)])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 2, res.output
+    assert "more than --ram" in out and f"--pool-tokens {(64 - 21) * 16} " in out, out
+    assert adb_log(fake_adb) == [] and not (fake_adb / "am.log").exists()
+    # that pool fits and one more block would not: the same artifacts exported with 43 and 44 blocks
+    fits = whole_process_estimate(artifacts_with_pool(tmp_path / "b", num_blocks=43)[0])["total_bytes"]
+    over = whole_process_estimate(artifacts_with_pool(tmp_path / "c", num_blocks=44)[0])["total_bytes"]
+    assert fits <= ram < over
+    # enough memory: the estimate is printed and the deploy goes through
+    (fake_adb / "debuggable").touch()
+    res = runner.invoke(app, ["deploy", str(art), "--ram", "1GiB"])
+    assert res.exit_code == 0, res.output
+    assert "the app will need" in res.output and "deployed 5 files" in " ".join(res.output.split())
+    # the weights alone too big: no pool size helps
+    res = runner.invoke(app, ["deploy", str(art), "--ram", "1000"])
+    assert res.exit_code == 2 and "alone do not fit" in " ".join(res.output.split())
+
+
+@pytest.mark.parametrize("field, value", [("total_bytes", "12"), ("total_bytes", 12), ("bytes_per_token", 0),
+                                          ("num_blocks", 1.5), ("arena", None), ("pool", None)])
+def test_cli_deploy_refuses_hostile_pool_fields(tmp_path, fake_adb, field, value):
+    """A manifest edited with its digest recomputed (so only its content is wrong) gets one line, exit 2."""
+    from typer.testing import CliRunner
+
+    from toolkit.cli import app
+
+    art, _ = artifacts_with_pool(tmp_path / "a")
+    man = json.loads((art / MANIFEST_NAME).read_text())
+    if field == "arena":
+        del man["artifacts"]["pte"]["arena_bytes"]
+    elif field == "pool":
+        del man["pool"]
+    else:
+        man["pool"][field] = value
+    write_raw_manifest(art, man)
+    res = CliRunner().invoke(app, ["deploy", str(art), "--ram", "100"])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 2, res.output
+    assert "error:" in out and "pagedkv.json" in out and "Traceback" not in out, out
+    assert adb_log(fake_adb) == []

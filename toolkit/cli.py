@@ -638,10 +638,28 @@ def deploy_cmd(
     serial: Optional[str] = typer.Option(None, "--serial", "-s", help="Device serial from `adb devices`."),
     adb: str = typer.Option("adb", help="The adb executable."),
     package: str = typer.Option("org.pagedkv.demo", help="The Android app's package."),
+    ram: Optional[str] = typer.Option(None, "--ram", help="Memory the app may use on the phone (e.g. 2GiB on a "
+                                      "4 GiB phone): refuse, before touching the device, artifacts whose whole "
+                                      "process at the full pool would not fit, naming a --pool-tokens that does."),
 ):
-    """Push model.pte, pagedkv.json and the tokenizer files to the Android demo app with adb."""
-    from toolkit.deploy import deploy
+    """Push model.pte, pagedkv.json and the tokenizer files to the Android demo app with adb. Prints the
+    memory the app will need for them first (weights + the exported pool + activations + runtime)."""
+    from runtime_sim.plan import format_bytes, parse_size, pool_tokens_within, whole_process_estimate
+    from toolkit.deploy import deploy, deploy_files
+    from toolkit.manifest import read_manifest
 
+    ram_bytes = None if ram is None else parse_size(ram)
+    deploy_files(artifacts)  # the artifacts' own checks first (names, files, the .pte's sha256)
+    read_manifest(artifacts, require=("model", "pool"))  # the pool the estimate reads, validated
+    need = whole_process_estimate(artifacts, runtime="runner")  # the app can commit the whole exported pool
+    console.print(f"the app will need {format_bytes(need['total_bytes'])} at its full pool: weights "
+                  f"{format_bytes(need['weights_bytes'])} + KV pool {format_bytes(need['pool_bytes'])} + activations "
+                  f"{format_bytes(need['activations_bytes'])} + runtime {format_bytes(need['runtime_bytes'])} (estimate)")
+    if ram_bytes is not None and need["total_bytes"] > ram_bytes:
+        fit = pool_tokens_within(artifacts, ram_bytes)
+        _bad(f"{artifacts} needs {format_bytes(need['total_bytes'])} at its full pool, more than --ram {ram}: "
+             + (f"export it again with --pool-tokens {fit} (or fewer) for this phone." if fit
+                else "its weights, activations and runtime alone do not fit: choose a smaller model or --pte-weights."))
     res = deploy(artifacts, serial=serial, adb=adb, package=package,
                  progress=lambda m: console.print(f"[dim]  {m}[/]"))
     console.print(f"deployed {len(res['files'])} files ({res['bytes'] / 2**20:.1f} MiB) to "

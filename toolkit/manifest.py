@@ -258,8 +258,8 @@ def _check_pool(p: dict, where: str) -> PoolLayout:
         _fail(where, f"its pool is {layout.total_bytes / 2**30:.0f} GiB, not a real export")
     # the derived values the other readers (Android runner, deploy) take as written must agree
     want = layout.to_dict()
-    for key in ("codes_shape", "scales_shape", "stage_shape", "codes_dtype", "bytes_per_token", "compact_codes_shape",
-                "compact_scales_shape"):
+    for key in ("codes_shape", "scales_shape", "stage_shape", "codes_dtype", "bytes_per_token", "total_bytes",
+                "compact_codes_shape", "compact_scales_shape"):
         if key in p and p[key] != want.get(key):
             _fail(where, f"pool.{key} is {json.dumps(p[key])[:60]} but the pool's spec and sizes give "
                          f"{json.dumps(want[key])}")
