@@ -18,8 +18,10 @@ venv: $(STAMP)
 
 include toolkit/csrc/build.mk
 
+# MODEL: a registered model name (`pagedkv models`), HF dir or .gguf; e.g. make demo MODEL=qwen2.5-coder-1.5b
+MODEL ?= smollm2
 demo: venv native
-	$(BIN)/python -m runtime_sim.demo
+	$(BIN)/python -m runtime_sim.demo --model $(MODEL)
 
 # --durations: where the time goes, in every CI log (the budget for `make test` is ~20 min on 2 cores)
 pytest: venv native
