@@ -136,3 +136,22 @@ def test_bos_replaces_each_windows_first_token():
     assert with_bos["bos"] and with_bos["results"] != without["results"]
     ids[0] = ids[32] = 1  # windows that already start with BOS: the same numbers either way
     assert run(ids, 1)["results"] == run(ids, None)["results"]
+
+
+def test_rows_scored_in_chunks_equal_the_whole(monkeypatch):
+    """_score_rows scores ROWS_PER_CHUNK logits rows at a time (a 262k vocabulary's temporaries at ctx 4096
+    would take 4 GiB each): the sums equal the whole window's within float64 summation order."""
+    from toolkit import fidelity
+
+    g = torch.Generator().manual_seed(0)
+    logits, ref = torch.randn(37, 50, generator=g) * 3, torch.randn(37, 50, generator=g) * 3
+    target = torch.randint(0, 50, (37,), generator=g)
+    ref_logp = torch.log_softmax(ref, -1)
+    logp = torch.log_softmax(logits, -1)
+    want = (float(-logp.gather(1, target[:, None]).sum(dtype=torch.float64)),
+            float((ref_logp.exp() * (ref_logp - logp)).sum(dtype=torch.float64)),
+            float((logp.argmax(-1) == ref_logp.argmax(-1)).sum()))
+    monkeypatch.setattr(fidelity, "ROWS_PER_CHUNK", 5)  # 8 chunks, the last of 2 rows
+    got = fidelity._score_rows(logits, target, ref_logp)
+    assert got[2] == want[2] and want[1] > 0
+    assert got[0] == pytest.approx(want[0], rel=1e-9) and got[1] == pytest.approx(want[1], rel=1e-9)
