@@ -131,12 +131,13 @@ def tail(text: str, n: int = 6) -> str:
 
 def prepare_ids(text: Path, max_ctx: int, model: str = "smollm2") -> Path:
     """First max_ctx + 64 tokens of the text (no BOS) in a registered model's tokenizer, cached as JSON
-    for the workers."""
+    for the workers. The text is decoded from its bytes, line ends kept (wikitext's CRLFs), as
+    pagedkv-runner reads its --prompt-file: device.py's rows then all run the same tokens."""
     from toolkit.model_loading import converted_gguf_dir, load_model
     from toolkit.model_registry import model_file
 
     tag = "" if model == "smollm2" else f"{model}-"
-    out = cache_root() / "bench-artifacts" / f"ids-{tag}{text.name}-{max_ctx + 64}.json"
+    out = cache_root() / "bench-artifacts" / f"ids-{tag}{text.name}-bytes-{max_ctx + 64}.json"
     if out.is_file():
         return out
     hf_dir = converted_gguf_dir(model_file(model))
@@ -145,7 +146,7 @@ def prepare_ids(text: Path, max_ctx: int, model: str = "smollm2") -> Path:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
-    raw = text.read_text(encoding="utf-8")
+    raw = text.read_bytes().decode("utf-8")
     need, chars = max_ctx + 64, (max_ctx + 64) * 6
     while True:
         ids = tok(raw[:chars], add_special_tokens=False)["input_ids"]
