@@ -7,8 +7,8 @@ The export is a mobile configuration, by the size of the model's fp32 weights:
     int4 token embedding (GatherBlockQuantized), ~100 MiB instead of 518 MiB of fp32 for SmolLM2, run on
     onnxruntime. The chat process never imports torch: its peak RSS is the runtime's, not the exporter's.
   * above it (Qwen2.5-Coder-1.5B: 6 GiB of fp32): the phone's .pte (8da4w-asym-e8h8 weights, one logits
-    row per call) on ExecuTorch's runtime, as the Android app runs it; this export takes about an hour on
-    2 cores, and the chat process imports torch (ExecuTorch's Python runtime needs it).
+    row per call) on ExecuTorch's runtime, as the Android app runs it; this export takes 40-70 minutes on
+    2 cores (BENCHMARKS.md), and the chat process imports torch (ExecuTorch's Python runtime needs it).
 The export runs in a child process (`--export`) whose third-party output (torch.onnx / onnxscript /
 transformers warnings) goes to artifacts/export.log; our progress lines stay on the terminal.
 """
@@ -94,7 +94,7 @@ def export_quietly(model: str) -> int:
         fmt = "onnx" if fp32_bytes < ONNX_LIMIT_BYTES else "pte"
         progress.print(f"[bold]exporting {model} to {art}[/]: {fp32_bytes / 2**30:.1f} GiB of fp32 weights -> "
                        f"{fmt} with {WEIGHTS[fmt]} weights (first run only; "
-                       f"{'a few minutes' if fmt == 'onnx' else 'about an hour on 2 cores'})")
+                       f"{'a few minutes' if fmt == 'onnx' else '40-70 minutes on 2 cores'})")
         export_artifacts(model, art, (fmt,), "default",
                          PoolRequest(pool_tokens=POOL_TOKENS, max_seqs=4 if fmt == "onnx" else 1),
                          onnx_weights=WEIGHTS["onnx"], pte_weights=WEIGHTS["pte"], console=progress, force=True,
@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     from runtime_sim.session import open_artifacts
 
     fmt = exported_format(art)
+    if fmt is None:
+        out.print(f"[red]{art} holds no export the demo reads: remove it and run the demo again.[/]")
+        return 2
     backend = "onnxruntime" if fmt == "onnx" else "executorch"
     engine = open_artifacts(art, backend)
     be = engine.backend
