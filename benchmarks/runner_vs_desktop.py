@@ -56,12 +56,9 @@ def run_runner(runner: Path, art: Path, text: Path, ctx: int, decode: int) -> di
 
 
 def run_desktop(art: Path, ids: list[int], decode: int) -> tuple[list[int], float]:
-    import torch
-
     from runtime_sim.session import open_artifacts
 
-    torch.set_num_threads(1)
-    engine = open_artifacts(art, "executorch")
+    engine = open_artifacts(art, "executorch", threads=1)  # ExecuTorch's threadpool, as the runner's --threads 1
     t = time.time()
     out = list(engine.generate(engine.new_conversation(), ids, max_new_tokens=decode))
     return out, time.time() - t
